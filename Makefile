@@ -1,0 +1,50 @@
+# moekit: every target installs what it needs into .venv first, so on a fresh machine
+# `make test` and `make walkthrough` are single commands.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# Keep a CUDA torch you already have: `make venv TORCH=` skips installing torch, or name another
+# spec, e.g. `make venv TORCH="torch==2.11.0"`.
+TORCH ?= torch==2.13.0
+EXTRAS ?= notebooks,dev,hf
+STAMP := $(VENV)/.moekit-installed
+ARGS ?=
+
+.PHONY: venv test test-fast lint walkthrough lab bench info clean strip
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml requirements/pins.txt Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	@if [ -n "$(TORCH)" ]; then $(PY) -m pip install -q "$(TORCH)"; fi
+	$(PY) -m pip install -q -c requirements/pins.txt -e ".[$(EXTRAS)]"
+	@touch $(STAMP)
+
+lint: venv
+	$(VENV)/bin/ruff check moekit tests notebooks scripts
+
+test: venv lint
+	$(PY) -m pytest -q $(ARGS)
+
+test-fast: venv
+	$(PY) -m pytest -q -m "not notebooks and not browser and not slow" $(ARGS)
+
+walkthrough: venv
+	$(PY) -m moekit.cli walkthrough $(ARGS)
+
+lab: venv
+	$(VENV)/bin/jupyter lab notebooks
+
+bench: venv
+	$(PY) -m moekit.bench $(ARGS)
+
+info: venv
+	$(PY) -m moekit.cli info
+
+strip: venv
+	$(VENV)/bin/nbstripout notebooks/*.ipynb
+
+clean:
+	rm -rf build .pytest_cache

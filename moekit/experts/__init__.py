@@ -1,0 +1,5 @@
+"""Experts implementations, one per file (see ``base.py`` for the contract)."""
+
+from moekit.experts.base import Experts
+
+__all__ = ["Experts"]

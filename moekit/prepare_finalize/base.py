@@ -1,0 +1,61 @@
+"""The ``PrepareFinalize`` role: quantize (and dispatch) before the experts, combine after.
+
+``prepare`` returns a :class:`~moekit.types.Prepared`: the activations the experts read, their
+scales, optional tokens-per-expert metadata, the ids and weights that go with the rows, and a
+handle for ``finalize``. ``finalize`` turns the experts' unweighted output back into ``[M, K]``
+for the caller's M tokens.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+
+from moekit.quant import quantize_fp8_per_token_group
+from moekit.types import ActivationFormat, ExpertPlacement, Prepared, QuantScheme
+
+
+class PrepareFinalize(ABC):
+    """Base class of every prepare/finalize stage."""
+
+    activation_format: ClassVar[ActivationFormat] = ActivationFormat.STANDARD
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    @abstractmethod
+    def prepare(
+        self,
+        hidden: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        *,
+        quant: QuantScheme,
+        placement: ExpertPlacement,
+    ) -> Prepared:
+        """Quantize as ``quant`` asks (and dispatch); return what the experts consume."""
+
+    @abstractmethod
+    def finalize(self, fused_out: torch.Tensor, prepared: Prepared, *, output: torch.Tensor) -> torch.Tensor:
+        """Weight by topk_weights and reduce over topk into ``output [M, K]``; return it."""
+
+    def __repr__(self) -> str:
+        return f"{self.name}()"
+
+
+def quantize_activations(x: torch.Tensor, quant: QuantScheme) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(a1q, a1q_scale)`` for ``quant``: fp8 with 1x128 row-major group scales, or ``x`` as is."""
+    if quant is QuantScheme.FP8_BLOCK:
+        return quantize_fp8_per_token_group(x)
+    return x, None
+
+
+def weight_and_reduce(fused_out: torch.Tensor, topk_weights: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    """``output[m] = sum_j topk_weights[m, j] * fused_out[m, j]`` (fp32 accumulation)."""
+    M = output.shape[0]
+    per_slot = fused_out.view(M, -1, output.shape[1]).float()
+    output.copy_((per_slot * topk_weights.view(M, -1, 1).float()).sum(dim=1))
+    return output

@@ -1,0 +1,74 @@
+"""Helpers shared by the tests and the notebooks.
+
+- :func:`assert_close` compares with a tolerance chosen by dtype (one table for the project).
+- :func:`expect_raises` is the notebook-friendly ``pytest.raises``: it fails when nothing is
+  raised, so a demonstration of a crash cannot silently stop crashing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from dataclasses import dataclass
+
+import torch
+
+# (atol, rtol) against the fp32 reference; fp8 is compared on dequantized inputs.
+TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float32: (2e-4, 2e-4),
+    torch.float16: (1e-2, 1e-2),
+    torch.bfloat16: (2e-2, 2e-2),
+    torch.float8_e4m3fn: (3e-2, 3e-2),
+}
+
+
+def tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    """(atol, rtol) for results computed in ``dtype``."""
+    return TOLERANCES[dtype]
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, dtype: torch.dtype, scale: float | None = None):
+    """``torch.testing.assert_close`` with the project's per-dtype tolerance.
+
+    ``atol`` is relative to ``scale`` (default: the largest magnitude in ``expected``), so a
+    layer whose outputs are around 0.01 and one whose outputs are around 10 are held to the same
+    relative standard.
+    """
+    atol, rtol = tolerance(dtype)
+    ref = expected.float().cpu()
+    if scale is None:
+        scale = float(ref.abs().max()) if ref.numel() else 1.0
+    torch.testing.assert_close(actual.float().cpu(), ref, atol=atol * max(scale, 1e-6), rtol=rtol)
+
+
+@dataclass
+class Raised:
+    """What :func:`expect_raises` caught (``.error`` is the exception)."""
+
+    error: BaseException | None = None
+
+    @property
+    def message(self) -> str:
+        return str(self.error)
+
+
+@contextlib.contextmanager
+def expect_raises(kind: type[BaseException] | tuple[type[BaseException], ...], match: str | None = None):
+    """Assert that the block raises ``kind`` (and that its message matches ``match``).
+
+    Example::
+
+        with expect_raises(moekit.errors.WorkspaceShapeError, match="bug 1") as caught:
+            kernel(hidden, w1, w2, weights, ids)
+        print(caught.message)
+    """
+    caught = Raised()
+    try:
+        yield caught
+    except kind as e:  # noqa: B902
+        caught.error = e
+        if match is not None and not re.search(match, str(e)):
+            raise AssertionError(f"raised {type(e).__name__}, but {match!r} is not in: {e}") from e
+        return
+    names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+    raise AssertionError(f"expected {names} to be raised, but the block finished normally")

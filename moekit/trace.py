@@ -1,0 +1,86 @@
+"""A record of what every chunk of one forward did: the picture the notebooks draw."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from moekit.types import WorkspaceShapes
+
+
+@dataclass
+class ChunkRecord:
+    """One chunk: its token range, the backend that ran, its buffers and its tokens per expert.
+
+    ``counts`` stays on the compute device (no sync); :meth:`Trace.counts_matrix` copies.
+    """
+
+    index: int
+    start: int
+    end: int
+    backend: str
+    shapes: WorkspaceShapes
+    output_shape: tuple[int, ...]
+    counts: torch.Tensor | None = None
+
+    @property
+    def M(self) -> int:
+        return self.end - self.start
+
+    @property
+    def workspace_bytes(self) -> int:
+        return self.shapes.workspace_bytes
+
+    def row(self) -> dict:
+        return {
+            "chunk": self.index,
+            "tokens": f"[{self.start}, {self.end})",
+            "M": self.M,
+            "backend": self.backend,
+            "workspace13": self.shapes.workspace13,
+            "workspace2": self.shapes.workspace2,
+            "output": self.output_shape,
+            "bytes": self.workspace_bytes,
+        }
+
+
+@dataclass
+class Trace:
+    """All chunks of one ``ModularKernel.forward``."""
+
+    M: int
+    chunk_size: int | None
+    experts: str
+    workspace_policy: str
+    metadata_policy: str
+    chunks: list[ChunkRecord] = field(default_factory=list)
+    peak_workspace_bytes: int = 0
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    def __iter__(self):
+        return iter(self.chunks)
+
+    @property
+    def backends(self) -> list[str]:
+        return [c.backend for c in self.chunks]
+
+    def rows(self) -> list[dict]:
+        return [c.row() for c in self.chunks]
+
+    def table(self) -> str:
+        """A plain-text table, one line per chunk."""
+        head = ("chunk", "tokens", "M", "backend", "workspace13", "workspace2", "output", "bytes")
+        body = [tuple(str(r[h]) for h in head) for r in self.rows()]
+        widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
+        fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+        return "\n".join([fmt.format(*head)] + [fmt.format(*b) for b in body])
+
+    def counts_matrix(self) -> torch.Tensor:
+        """int64 ``[num_chunks, E_local]`` tokens per (chunk, expert) on the CPU (syncs once)."""
+        rows = [c.counts for c in self.chunks if c.counts is not None]
+        if not rows:
+            return torch.zeros(0, 0, dtype=torch.int64)
+        return torch.stack([r.to("cpu", torch.int64) for r in rows])

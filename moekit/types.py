@@ -1,0 +1,251 @@
+"""The dataclasses that the layers pass to each other.
+
+Letters (as in vLLM): M tokens (in this chunk), K hidden size, N = w1 rows (2 x intermediate),
+E experts (global or local), topk experts per token, C chunk size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from moekit.errors import InvalidInputError, QuantizationError, WorkspaceShapeError
+
+
+class ActivationFormat(Enum):
+    """How activations are laid out between prepare and finalize.
+
+    - ``STANDARD``: one row per token, ``[M, K]``.
+    - ``BATCHED``: one slab per local expert, ``[E_local, max_tokens, K]``; rows past
+      ``expert_num_tokens[e]`` are padding.
+    """
+
+    STANDARD = "standard"
+    BATCHED = "batched"
+
+
+class QuantScheme(Enum):
+    """One enum instead of contradictory ``use_fp8_*`` flags.
+
+    - ``NONE``: activations and weights in bf16, fp16 or fp32.
+    - ``FP8_BLOCK``: fp8 e4m3 weights with one fp32 scale per 128x128 block, activations with one
+      scale per 1x128 group of each row (DeepSeek-V3 style, what DeepGEMM consumes).
+    """
+
+    NONE = "none"
+    FP8_BLOCK = "fp8_block"
+
+
+FP8_BLOCK = 128  # both the weight block edge and the activation group width
+
+
+def _shape(value, what: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(d) for d in value)
+    except TypeError:
+        raise InvalidInputError(f"{what} must be a tuple of ints, got {value!r}") from None
+    if any(d < 0 for d in shape):
+        raise WorkspaceShapeError(f"{what} has a negative dimension: {shape}")
+    return shape
+
+
+@dataclass(frozen=True)
+class ProblemSize:
+    """The sizes one experts call sees (M is the chunk's token count)."""
+
+    M: int
+    N: int
+    K: int
+    topk: int
+    num_global_experts: int
+    num_local_experts: int
+
+    def __post_init__(self):
+        for name in ("M", "N", "K", "topk", "num_global_experts", "num_local_experts"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise InvalidInputError(f"ProblemSize.{name} must be an int, got {value!r}")
+        if self.M < 0:
+            raise InvalidInputError(f"ProblemSize.M must be >= 0, got {self.M}")
+        for name in ("N", "K", "topk", "num_global_experts", "num_local_experts"):
+            if getattr(self, name) <= 0:
+                raise InvalidInputError(f"ProblemSize.{name} must be > 0, got {getattr(self, name)}")
+        if self.N % 2:
+            raise InvalidInputError(f"N (w1 rows = gate + up) must be even, got N={self.N}")
+        if self.num_local_experts > self.num_global_experts:
+            raise InvalidInputError(
+                f"local experts ({self.num_local_experts}) > global experts ({self.num_global_experts})"
+            )
+
+    def with_M(self, M: int) -> ProblemSize:
+        """The same problem for another token count (a chunk)."""
+        return ProblemSize(M, self.N, self.K, self.topk, self.num_global_experts, self.num_local_experts)
+
+
+@dataclass(frozen=True)
+class WorkspaceShapes:
+    """What an experts class needs for one call.
+
+    - ``workspace13``: scratch for the GEMM1 output, reused later (cache "1" and "3").
+    - ``workspace2``: scratch for the activation output (cache "2").
+    - ``output``: the exact shape of the unweighted, unreduced expert output. Its dim 0 must
+      scale with M so that a whole-batch output can be sliced per chunk.
+    - ``dtype``: the dtype of both workspaces.
+    """
+
+    workspace13: tuple[int, ...]
+    workspace2: tuple[int, ...]
+    output: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __post_init__(self):
+        object.__setattr__(self, "workspace13", _shape(self.workspace13, "workspace13"))
+        object.__setattr__(self, "workspace2", _shape(self.workspace2, "workspace2"))
+        object.__setattr__(self, "output", _shape(self.output, "output"))
+        if not isinstance(self.dtype, torch.dtype):
+            raise InvalidInputError(f"WorkspaceShapes.dtype must be a torch.dtype, got {self.dtype!r}")
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def workspace_bytes(self) -> int:
+        """Bytes of workspace13 plus workspace2."""
+        return (math.prod(self.workspace13) + math.prod(self.workspace2)) * self.itemsize
+
+
+@dataclass
+class ExpertTokensMetadata:
+    """Tokens per local expert, as some prepare stages (an all-to-all) return them.
+
+    ``expert_num_tokens`` is int32 ``[E_local]`` on the compute device; ``expert_num_tokens_cpu``
+    is the same on the CPU, or None. Entry e counts the (token, slot) rows routed to local
+    expert e.
+    """
+
+    expert_num_tokens: torch.Tensor
+    expert_num_tokens_cpu: torch.Tensor | None = None
+
+    def __post_init__(self):
+        t = self.expert_num_tokens
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int32:
+            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise InvalidInputError(f"expert_num_tokens must be a 1-D int32 tensor, got {got}")
+        c = self.expert_num_tokens_cpu
+        if c is not None and (c.device.type != "cpu" or c.shape != t.shape):
+            raise InvalidInputError(
+                f"expert_num_tokens_cpu must be a CPU tensor of shape {tuple(t.shape)}, "
+                f"got {tuple(c.shape)} on {c.device}"
+            )
+
+    @classmethod
+    def from_counts(cls, counts: torch.Tensor, *, with_cpu: bool) -> ExpertTokensMetadata:
+        """Wrap device counts; the CPU copy (a sync) is made only when asked."""
+        return cls(counts, counts.to("cpu") if with_cpu else None)
+
+
+@dataclass
+class MoEWeights:
+    """Expert weights as the experts consume them.
+
+    - ``w1`` ``[E, N, K]``: gate rows then up rows.
+    - ``w2`` ``[E, K, N/2]``.
+    - ``w1_scale`` ``[E, N/128, K/128]`` and ``w2_scale`` ``[E, K/128, N/256]`` fp32, for
+      ``QuantScheme.FP8_BLOCK`` only.
+    """
+
+    w1: torch.Tensor
+    w2: torch.Tensor
+    w1_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+
+    @property
+    def quant(self) -> QuantScheme:
+        return QuantScheme.FP8_BLOCK if self.w1.dtype == torch.float8_e4m3fn else QuantScheme.NONE
+
+    def check(self, expected: QuantScheme) -> None:
+        """Raise QuantizationError unless the weights match ``expected``."""
+        fp8 = torch.float8_e4m3fn
+        if expected is QuantScheme.FP8_BLOCK:
+            if self.w1.dtype != fp8 or self.w2.dtype != fp8:
+                raise QuantizationError(
+                    f"fp8 block experts need float8_e4m3fn w1/w2, got {self.w1.dtype}/{self.w2.dtype}; "
+                    "quantize with moekit.quant.quantize_fp8_block"
+                )
+            if self.w1_scale is None or self.w2_scale is None:
+                raise QuantizationError("fp8 block experts need w1_scale and w2_scale, got None")
+            E, N, K = self.w1.shape
+            want1 = (E, math.ceil(N / FP8_BLOCK), math.ceil(K / FP8_BLOCK))
+            want2 = (E, math.ceil(K / FP8_BLOCK), math.ceil(N // 2 / FP8_BLOCK))
+            for name, scale, want in (("w1_scale", self.w1_scale, want1), ("w2_scale", self.w2_scale, want2)):
+                if tuple(scale.shape) != want or scale.dtype != torch.float32:
+                    raise QuantizationError(
+                        f"{name} must be float32 {want} (128x128 blocks), got {scale.dtype} {tuple(scale.shape)}"
+                    )
+        else:
+            if self.w1.dtype == fp8 or self.w2.dtype == fp8:
+                raise QuantizationError(
+                    "got fp8 weights but the experts were built with quant=QuantScheme.NONE; "
+                    "pass quant=QuantScheme.FP8_BLOCK"
+                )
+            if self.w1_scale is not None or self.w2_scale is not None:
+                raise QuantizationError("weight scales were given but the experts are unquantized")
+
+
+@dataclass
+class Prepared:
+    """What ``PrepareFinalize.prepare`` hands to the experts.
+
+    - ``a1q`` ``[M, K]`` (Standard) or ``[E_local, max_tokens, K]`` (Batched), quantized if the
+      experts asked for it;
+    - ``a1q_scale``: ``[M, K/128]`` fp32 group scales for fp8 block, else None;
+    - ``tokens_meta``: tokens per local expert, or None;
+    - ``topk_ids``/``topk_weights``: the ids and weights that go with ``a1q``'s rows (after an
+      all-to-all these are the received ones, not the caller's);
+    - ``handle``: whatever ``finalize`` needs to undo the dispatch.
+    """
+
+    a1q: torch.Tensor
+    a1q_scale: torch.Tensor | None
+    tokens_meta: ExpertTokensMetadata | None
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+    handle: object = None
+
+
+@dataclass
+class ExpertsCall:
+    """Everything one ``Experts.apply`` call reads and writes (one chunk).
+
+    ``workspace13``/``workspace2`` are handed over already viewed to the shapes the experts
+    declared for this chunk; ``output`` is the chunk's slice of the whole output.
+    """
+
+    output: torch.Tensor
+    hidden: torch.Tensor
+    hidden_scale: torch.Tensor | None
+    topk_ids: torch.Tensor
+    weights: MoEWeights
+    workspace13: torch.Tensor
+    workspace2: torch.Tensor
+    global_num_experts: int
+    expert_map: torch.Tensor | None = None
+    tokens_meta: ExpertTokensMetadata | None = None
+    a2_scale: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """Which experts live on this rank.
+
+    ``expert_map`` is int ``[num_global_experts]``: global id -> local id, or -1 where the expert
+    lives on another rank. None means every expert is local (global id == local id).
+    """
+
+    num_global_experts: int
+    num_local_experts: int
+    expert_map: torch.Tensor | None = None
