@@ -153,7 +153,7 @@ class ModularKernel:
         M, K = hidden.shape
         trace = Trace(M, self.chunk_size, self.experts.name, self.workspace_policy, self.metadata_policy)
         self.last_trace = trace
-        if M == 0:  # upstream divided by zero here (#26523)
+        if M == 0 and not self.prepare_finalize.collective:  # upstream divided by zero here (#26523)
             return hidden.new_empty((0, K))
 
         prepared = self.prepare_finalize.prepare(

@@ -21,6 +21,9 @@ class PrepareFinalize(ABC):
     """Base class of every prepare/finalize stage."""
 
     activation_format: ClassVar[ActivationFormat] = ActivationFormat.STANDARD
+    # True for stages whose prepare/finalize are collectives (an all-to-all): every rank must
+    # call them, even a rank with M=0, or the others hang.
+    collective: ClassVar[bool] = False
 
     @property
     def name(self) -> str:
