@@ -1,0 +1,246 @@
+"""The chunk loop itself, with a torch test double for the experts (the real experts classes are
+tested in tests/experts/). The double declares different workspaces above and below a switch M,
+like TritonOrDeepGemmExperts, so the loop's policies can be checked without any GEMM kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moekit
+from moekit.errors import (
+    ChunkSizeError,
+    FormatMismatchError,
+    InvalidIdsError,
+    InvalidInputError,
+    MoekitError,
+    WorkspaceShapeError,
+)
+from moekit.experts.base import Experts, view_workspace
+from moekit.modular_kernel import ModularKernel
+from moekit.prepare_finalize import NoEPPrepareFinalize
+from moekit.reference import count_reference, local_expert_ids, moe_reference, silu_and_mul
+from moekit.testing import assert_close
+from moekit.types import ActivationFormat, WorkspaceShapes
+from moekit.workspace import WorkspacePool
+
+
+class SwitchingTorchExperts(Experts):
+    """Declares 'big' shapes at M >= switch and 'small' below; computes with torch."""
+
+    def __init__(self, *, switch: int | None = None, legacy_output: bool = False, chunking: bool = True):
+        super().__init__()
+        self.switch, self.legacy_output = switch, legacy_output
+        self.supports_chunking = chunking
+        self.calls = []
+
+    def backend_for(self, problem):
+        return "big" if self.switch is not None and problem.M >= self.switch else "small"
+
+    def workspace_shapes(self, problem, *, act_dtype, tokens_meta=None):
+        M, N, K, topk = problem.M, problem.N, problem.K, problem.topk
+        if self.backend_for(problem) == "big":
+            rows = M * topk + 7
+            out = (M * topk, K) if self.legacy_output else (M, topk, K)
+            return WorkspaceShapes((rows, max(N, K)), (rows, N // 2), out, act_dtype)
+        return WorkspaceShapes((M, topk, N), (M * topk, N // 2), (M, topk, K), act_dtype)
+
+    def apply(self, call):
+        w1 = call.weights.w1
+        E, N, K = w1.shape
+        M, topk = call.topk_ids.shape
+        problem = moekit.ProblemSize(M, N, K, topk, call.global_num_experts, E)
+        shapes = self.workspace_shapes(problem, act_dtype=call.hidden.dtype)
+        ws13 = view_workspace(call.workspace13, shapes.workspace13)
+        ws2 = view_workspace(call.workspace2, shapes.workspace2)
+        self.calls.append(dict(M=M, meta=call.tokens_meta, a2=call.a2_scale, nan=bool(ws13.isnan().any())))
+        ws2.zero_()
+        per_slot = moe_reference(call.hidden, w1, call.weights.w2, torch.ones(M, topk), call.topk_ids,
+                                 expert_map=call.expert_map, apply_weights=False)
+        call.output.view(M, topk, K).copy_(per_slot)
+        return self.backend_for(problem)
+
+
+class BatchedDouble(SwitchingTorchExperts):
+    activation_format = ActivationFormat.BATCHED
+
+
+def problem(M=37, E=6, topk=2, K=16, N=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g)
+    w1 = torch.randn(E, N, K, generator=g) / 4
+    w2 = torch.randn(E, K, N // 2, generator=g) / 4
+    weights, ids = moekit.routing.uniform_router(M, E, topk, seed=seed, device="cpu")
+    return x, w1, w2, weights, ids
+
+
+@pytest.mark.parametrize("C", [None, 1, 5, 16, 37, 64])
+def test_chunked_equals_unchunked_equals_reference(C):
+    x, w1, w2, tw, ti = problem()
+    kernel = ModularKernel(NoEPPrepareFinalize(), SwitchingTorchExperts(switch=8), chunk_size=C)
+    out = kernel(x, w1, w2, tw, ti)
+    assert_close(out, moe_reference(x, w1, w2, tw, ti), dtype=torch.float32)
+    expected_chunks = 1 if C is None else -(-37 // C)
+    assert len(kernel.last_trace) == expected_chunks
+    assert sum(r.M for r in kernel.last_trace) == 37
+
+
+def test_trace_records_backend_per_chunk_and_counts():
+    x, w1, w2, tw, ti = problem(M=13)
+    kernel = ModularKernel(NoEPPrepareFinalize(), SwitchingTorchExperts(switch=8), chunk_size=8)
+    kernel(x, w1, w2, tw, ti)
+    trace = kernel.last_trace
+    assert trace.backends == ["big", "small"]
+    assert [(r.start, r.end) for r in trace] == [(0, 8), (8, 13)]
+    counts = trace.counts_matrix()
+    assert counts.shape == (2, 6)
+    assert torch.equal(counts[1], count_reference(ti[8:], 6).long())
+    assert torch.equal(counts.sum(0), count_reference(ti, 6).long())
+    assert "backend" in trace.table() and trace.peak_workspace_bytes > 0
+
+
+def test_zero_tokens_returns_empty_without_calling_experts():
+    x, w1, w2, tw, ti = problem(M=0)
+    experts = SwitchingTorchExperts()
+    out = ModularKernel(NoEPPrepareFinalize(), experts, chunk_size=4)(x, w1, w2, tw, ti)
+    assert out.shape == (0, 16) and experts.calls == []
+
+
+def test_experts_without_chunking_get_one_call_with_metadata_unchanged():
+    x, w1, w2, tw, ti = problem(M=20)
+    experts = SwitchingTorchExperts(chunking=False)
+    kernel = ModularKernel(NoEPPrepareFinalize(return_counts=True), experts, chunk_size=4)
+    out = kernel(x, w1, w2, tw, ti)
+    assert len(experts.calls) == 1 and experts.calls[0]["M"] == 20
+    assert torch.equal(experts.calls[0]["meta"].expert_num_tokens, count_reference(ti, 6))
+    assert_close(out, moe_reference(x, w1, w2, tw, ti), dtype=torch.float32)
+
+
+def test_per_chunk_metadata_is_recounted_and_whole_batch_is_stale():
+    x, w1, w2, tw, ti = problem(M=20)
+    for policy in ("per_chunk", "whole_batch"):
+        experts = SwitchingTorchExperts()
+        kernel = ModularKernel(NoEPPrepareFinalize(return_counts=True), experts, chunk_size=8, metadata_policy=policy)
+        kernel(x, w1, w2, tw, ti)
+        metas = [c["meta"] for c in experts.calls]
+        assert all(m.expert_num_tokens_cpu is not None for m in metas)
+        if policy == "per_chunk":
+            for (s, e), m in zip([(0, 8), (8, 16), (16, 20)], metas, strict=True):
+                assert torch.equal(m.expert_num_tokens, count_reference(ti[s:e], 6))
+                assert torch.equal(m.expert_num_tokens_cpu, m.expert_num_tokens.cpu())
+        else:
+            assert all(torch.equal(m.expert_num_tokens, count_reference(ti, 6)) for m in metas)
+
+
+def test_once_policy_guard_names_the_mismatch():
+    x, w1, w2, tw, ti = problem(M=10)
+    kernel = ModularKernel(NoEPPrepareFinalize(), SwitchingTorchExperts(switch=8), chunk_size=8,
+                           workspace_policy="once")
+    with pytest.raises(WorkspaceShapeError, match=r"(?s)SwitchingTorchExperts.*Chunk 1.*'small'.*bug 1"):
+        kernel(x, w1, w2, tw, ti)
+
+
+def test_once_policy_without_guard_fails_raw_like_upstream():
+    x, w1, w2, tw, ti = problem(M=10)
+    kernel = ModularKernel(NoEPPrepareFinalize(), SwitchingTorchExperts(switch=8), chunk_size=8,
+                           workspace_policy="once", guard=False)
+    with pytest.raises(RuntimeError, match="invalid for input of size") as info:
+        kernel(x, w1, w2, tw, ti)
+    assert not isinstance(info.value, MoekitError)
+
+
+def test_once_policy_is_harmless_when_no_chunk_switches():
+    x, w1, w2, tw, ti = problem(M=16)
+    kernel = ModularKernel(NoEPPrepareFinalize(), SwitchingTorchExperts(switch=100), chunk_size=8,
+                           workspace_policy="once")
+    assert_close(kernel(x, w1, w2, tw, ti), moe_reference(x, w1, w2, tw, ti), dtype=torch.float32)
+
+
+def test_output_layout_that_disagrees_between_backends_is_named():
+    # Pre-fix upstream: the big backend declared (M*topk, K), the small one (M, topk, K).
+    x, w1, w2, tw, ti = problem(M=10)
+    kernel = ModularKernel(NoEPPrepareFinalize(), SwitchingTorchExperts(switch=8, legacy_output=True), chunk_size=4)
+    with pytest.raises(WorkspaceShapeError, match=r"(?s)declared output \(4, 2, 16\).*\(20, 16\)"):
+        kernel(x, w1, w2, tw, ti)
+
+
+def test_per_token_a2_scale_is_sliced_per_chunk():  # upstream #28728 sliced (e, e)
+    x, w1, w2, tw, ti = problem(M=10)
+    experts = SwitchingTorchExperts()
+    a2 = torch.arange(10.0).view(10, 1)
+    ModularKernel(NoEPPrepareFinalize(), experts, chunk_size=4)(x, w1, w2, tw, ti, a2_scale=a2)
+    assert [c["a2"].flatten().tolist() for c in experts.calls] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    per_tensor = torch.tensor([0.5])
+    experts.calls.clear()
+    ModularKernel(NoEPPrepareFinalize(), experts, chunk_size=4)(x, w1, w2, tw, ti, a2_scale=per_tensor)
+    assert all(c["a2"] is per_tensor for c in experts.calls)
+
+
+def test_pool_does_not_grow_after_the_first_chunk_and_poison_never_leaks():
+    x, w1, w2, tw, ti = problem(M=40)
+    pool = WorkspacePool("cpu")
+    pool.take(WorkspaceShapes((4096,), (4096,), (1,), torch.float32)).workspace13.fill_(float("nan"))
+    pool._buffer.view(torch.float32).fill_(float("nan"))
+    experts = SwitchingTorchExperts()
+    kernel = ModularKernel(NoEPPrepareFinalize(), experts, chunk_size=8, pool=pool)
+    grows = pool.grows
+    out = kernel(x, w1, w2, tw, ti)
+    assert pool.grows == grows, "chunks allocated new workspace memory"
+    assert experts.calls[0]["nan"], "the canary did not reach the experts"
+    assert not out.isnan().any()
+
+
+def test_expert_map_splits_sum_to_reference():
+    x, w1, w2, tw, ti = problem(M=21, E=8)
+    ref = moe_reference(x, w1, w2, tw, ti)
+    for ep in (2, 4):
+        total = torch.zeros_like(ref)
+        for rank in range(ep):
+            emap = moekit.routing.contiguous_expert_map(8, ep, rank)
+            lo, hi = rank * 8 // ep, (rank + 1) * 8 // ep
+            kernel = ModularKernel(NoEPPrepareFinalize(), SwitchingTorchExperts(), chunk_size=5)
+            total += kernel(x, w1[lo:hi], w2[lo:hi], tw, ti, expert_map=emap, global_num_experts=8)
+        assert_close(total, ref, dtype=torch.float32)
+
+
+def test_negative_ids_contribute_nothing():
+    x, w1, w2, tw, ti = problem(M=9)
+    ti = ti.clone()
+    ti[::2, 0] = -1
+    out = ModularKernel(NoEPPrepareFinalize(), SwitchingTorchExperts(), chunk_size=4)(x, w1, w2, tw, ti)
+    assert (local_expert_ids(ti, 6) == -1).any()
+    assert_close(out, moe_reference(x, w1, w2, tw, ti), dtype=torch.float32)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, "64"])
+def test_bad_chunk_size(bad):
+    with pytest.raises(ChunkSizeError):
+        ModularKernel(NoEPPrepareFinalize(), SwitchingTorchExperts(), chunk_size=bad)
+
+
+def test_format_mismatch_and_bad_policies():
+    with pytest.raises(FormatMismatchError, match="batched"):
+        ModularKernel(NoEPPrepareFinalize(), BatchedDouble())
+    with pytest.raises(InvalidInputError):
+        ModularKernel(NoEPPrepareFinalize(), SwitchingTorchExperts(), workspace_policy="sometimes")
+    with pytest.raises(InvalidInputError):
+        ModularKernel(NoEPPrepareFinalize(), SwitchingTorchExperts(), metadata_policy="never")
+
+
+def test_bad_inputs_are_named_before_anything_runs():
+    x, w1, w2, tw, ti = problem(M=6)
+    experts = SwitchingTorchExperts()
+    kernel = ModularKernel(NoEPPrepareFinalize(), experts)
+    with pytest.raises(InvalidIdsError, match="unsigned"):
+        kernel(x, w1, w2, tw, ti.to(torch.uint8))
+    with pytest.raises(InvalidIdsError, match="non-integer"):
+        kernel(x, w1, w2, tw, ti.float())
+    with pytest.raises(InvalidIdsError, match="contiguous"):
+        kernel(x, w1, w2, tw, ti.t().contiguous().t())
+    with pytest.raises(InvalidInputError, match="w2"):
+        kernel(x, w1, w2[:, :, :-1], tw, ti)
+    with pytest.raises(InvalidInputError, match="topk_ids"):
+        kernel(x, w1, w2, tw[:-1], ti[:-1])
+    with pytest.raises(InvalidInputError, match="expert_map"):
+        kernel(x, w1, w2, tw, ti, expert_map=torch.arange(6, dtype=torch.int32), global_num_experts=8)
+    assert experts.calls == []
