@@ -1,0 +1,189 @@
+"""Batched-format GEMM masked by ``expert_num_tokens``: one small GEMM per expert slab.
+
+Shapes (E experts, T = max tokens per expert, K reduction, N output columns)::
+
+    a       [E, T, K]      rows past expert_num_tokens[e] are padding, never read
+    b       [E, N, K]      one weight matrix per expert (w1 or w2), K-major as stored
+    c       [E, T, N]      c[e, :n_e] = a[e, :n_e] @ b[e]^T
+    counts  int32 [E]      n_e = expert_num_tokens[e]
+
+fp8 block scaling (optional): ``a_scale [E, T, ceil(K/128)]`` (1x128 groups per row) and
+``b_scale [E, ceil(N/128), ceil(K/128)]`` (128x128 blocks).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moekit.device import interpreting
+from moekit.errors import InvalidInputError, QuantizationError
+
+_FLOAT = (torch.bfloat16, torch.float16, torch.float32)
+_FP8 = torch.float8_e4m3fn
+_GROUP = 128  # fp8 scale group (activations) and block edge (weights)
+
+
+@triton.jit
+def _batched_gemm_kernel(
+    # Pointers
+    a_ptr, b_ptr, c_ptr, counts_ptr, a_scale_ptr, b_scale_ptr,
+    # Sizes
+    T, N, K,
+    stride_ae, stride_at, stride_ak,
+    stride_be, stride_bn, stride_bk,
+    stride_ce, stride_ct, stride_cn,
+    stride_ase, stride_ast, stride_ask,
+    stride_bse, stride_bsn, stride_bsk,
+    # Meta-parameters
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FP8_SCALED: tl.constexpr, UPCAST_BF16: tl.constexpr,
+):
+    e = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    pid_n = tl.program_id(2)
+    n_e = tl.minimum(tl.load(counts_ptr + e), T)
+    # The grid is sized for the worst case (T rows everywhere); tiles past this expert's tokens
+    # do no work and write nothing, so a lightly loaded expert costs almost nothing.
+    if pid_t * BLOCK_T >= n_e:
+        return
+
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    row_ok = offs_t < n_e
+    col_ok = offs_n < N
+    a_ptrs = a_ptr + e * stride_ae + offs_t[:, None] * stride_at + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + e * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
+
+    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    for kb in range(tl.cdiv(K, BLOCK_K)):
+        k_ok = offs_k < K - kb * BLOCK_K
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if UPCAST_BF16:
+            # The interpreter multiplies raw bf16 bit patterns in tl.dot (triton #11584).
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if FP8_SCALED:
+            # BLOCK_K == 128, so this K tile is exactly one scale group of a and of b.
+            a_s = tl.load(a_scale_ptr + e * stride_ase + offs_t * stride_ast + kb * stride_ask,
+                          mask=row_ok, other=0.0)
+            b_s = tl.load(b_scale_ptr + e * stride_bse + (offs_n // 128) * stride_bsn + kb * stride_bsk,
+                          mask=col_ok, other=0.0)
+            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        else:
+            acc += tl.dot(a, b)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    c_ptrs = c_ptr + e * stride_ce + offs_t[:, None] * stride_ct + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def batched_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    expert_num_tokens: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    a_scale: torch.Tensor | None = None,
+    b_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``c[e, :n_e] = a[e, :n_e] @ b[e]^T`` for every expert slab; padding rows are skipped.
+
+    The algorithm, in plain Python::
+
+        for e in range(E):
+            n = expert_num_tokens[e]
+            c[e, :n] = a[e, :n] @ b[e].T        # rows n..T-1 of c[e] are left untouched
+
+    One program computes one ``BLOCK_T x BLOCK_N`` tile of one expert; a tile whose first row
+    is at or past ``n_e`` returns at once. **Rows of ``c`` past ``expert_num_tokens[e]`` are
+    never written**: with ``out`` given they keep their old contents, without it they are
+    uninitialized memory. Consumers must read only ``c[e, :n_e]``.
+
+    Args:
+        a: ``[E, T, K]`` bf16/fp16/fp32, or fp8 e4m3 with ``a_scale``.
+        b: ``[E, N, K]`` same dtype as ``a`` (fp8 with ``b_scale``).
+        expert_num_tokens: int32 ``[E]`` valid rows per slab (values above T are clamped to T).
+        out: optional ``[E, T, N]`` output; defaults to ``a``'s dtype (bf16 for fp8 inputs).
+        a_scale: fp32 ``[E, T, ceil(K/128)]`` per 1x128 group, for fp8 inputs only.
+        b_scale: fp32 ``[E, ceil(N/128), ceil(K/128)]`` per 128x128 block, for fp8 inputs only.
+
+    Returns:
+        ``out`` (or a new ``[E, T, N]`` tensor).
+
+    Raises:
+        InvalidInputError: shapes, dtypes or devices do not match.
+        QuantizationError: fp8 inputs without both scales, or scales with unquantized inputs.
+
+    Example::
+
+        >>> c = batched_gemm(a, w1, counts)            # a [4, 16, 64], w1 [4, 128, 64]
+        >>> torch.allclose(c[0, :counts[0]], a[0, :counts[0]] @ w1[0].T)
+    """
+    fp8 = _check(a, b, expert_num_tokens, a_scale, b_scale)
+    E, T, K = a.shape
+    N = b.shape[1]
+    if out is None:
+        out = torch.empty((E, T, N), dtype=torch.bfloat16 if fp8 else a.dtype, device=a.device)
+    elif tuple(out.shape) != (E, T, N) or out.dtype not in _FLOAT or out.device != a.device:
+        raise InvalidInputError(
+            f"out must be a float [E, T, N] = {(E, T, N)} tensor on {a.device}, "
+            f"got {out.dtype} {tuple(out.shape)} on {out.device}"
+        )
+    if E == 0 or T == 0 or N == 0:
+        return out
+
+    BLOCK_T = min(64, max(16, triton.next_power_of_2(T)))
+    BLOCK_N = min(64, max(16, triton.next_power_of_2(N)))
+    BLOCK_K = _GROUP if fp8 else min(64, max(16, triton.next_power_of_2(K)))
+    # Unused scale pointers still need a tensor and strides; point them at the counts.
+    sa = a_scale if fp8 else expert_num_tokens.view(1, 1, -1)
+    sb = b_scale if fp8 else expert_num_tokens.view(1, 1, -1)
+    grid = (E, triton.cdiv(T, BLOCK_T), triton.cdiv(N, BLOCK_N))
+    _batched_gemm_kernel[grid](
+        a, b, out, expert_num_tokens, sa, sb,
+        T, N, K,
+        a.stride(0), a.stride(1), a.stride(2),
+        b.stride(0), b.stride(1), b.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        sa.stride(0), sa.stride(1), sa.stride(2),
+        sb.stride(0), sb.stride(1), sb.stride(2),
+        BLOCK_T=BLOCK_T, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        FP8_SCALED=fp8, UPCAST_BF16=interpreting() and a.dtype == torch.bfloat16,
+    )
+    return out
+
+
+def _check(a, b, counts, a_scale, b_scale) -> bool:
+    """Validate the operands; True when they are fp8 with block scales."""
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise InvalidInputError(f"{name} must be a 3-D tensor, got {got}")
+    E, T, K = a.shape
+    if b.shape[0] != E or b.shape[2] != K:
+        raise InvalidInputError(f"b must be [E={E}, N, K={K}] to match a {tuple(a.shape)}, got {tuple(b.shape)}")
+    if a.dtype != b.dtype or a.dtype not in (*_FLOAT, _FP8):
+        raise InvalidInputError(f"a and b must share a dtype in bf16/fp16/fp32/fp8, got {a.dtype} and {b.dtype}")
+    if not isinstance(counts, torch.Tensor) or counts.dtype != torch.int32 or tuple(counts.shape) != (E,):
+        got = f"{counts.dtype} {tuple(counts.shape)}" if isinstance(counts, torch.Tensor) else type(counts).__name__
+        raise InvalidInputError(f"expert_num_tokens must be int32 [E={E}], got {got}")
+    if len({a.device, b.device, counts.device}) != 1:
+        raise InvalidInputError(f"a, b, expert_num_tokens must share a device, got {a.device}, {b.device}, {counts.device}")
+    fp8 = a.dtype == _FP8
+    if not fp8:
+        if a_scale is not None or b_scale is not None:
+            raise QuantizationError(f"scales were given but a and b are {a.dtype}, not fp8")
+        return False
+    if a_scale is None or b_scale is None:
+        raise QuantizationError("fp8 a and b need both a_scale and b_scale, got None")
+    N, G = b.shape[1], triton.cdiv(K, _GROUP)
+    want_a, want_b = (E, T, G), (E, triton.cdiv(N, _GROUP), G)
+    for name, s, want in (("a_scale", a_scale, want_a), ("b_scale", b_scale, want_b)):
+        if tuple(s.shape) != want or s.dtype != torch.float32 or s.device != a.device:
+            raise QuantizationError(f"{name} must be float32 {want} on {a.device}, got {s.dtype} {tuple(s.shape)}")
+    return True
