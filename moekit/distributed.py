@@ -1,0 +1,243 @@
+"""Run a function on several torch.distributed ranks: from a notebook, a test, or torchrun.
+
+One host, no torchrun (tests, notebooks, a laptop)::
+
+    from moekit.distributed import launch
+    results = launch(moekit.ep.run_rank, world_size=2, args=(config,))   # one result per rank
+
+``launch`` spawns ``world_size`` processes, joins them through a TCP store on a free loopback
+port (127.0.0.1), calls ``fn(rank, world_size, *args)`` in each, and returns their return
+values in rank order (tensors come back on the CPU). ``fn`` must be importable (defined in a
+module, not in a notebook cell), because spawned processes find it by name.
+
+Several hosts (or one host with torchrun), e.g. 2 nodes with 8 GPUs each::
+
+    torchrun --nnodes 2 --nproc-per-node 8 --node-rank <0|1> \\
+             --rdzv-backend c10d --rdzv-endpoint <host0>:29500 \\
+             -m moekit.ep --M 256 --E 64 --topk 8 --chunk-size 64
+
+Inside such a process call :func:`init_from_env` (``moekit.ep`` does) to join the group that
+torchrun describes in ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``.
+
+Backends: ``"gloo"`` on CPU tensors (the Triton interpreter runs the kernels), ``"nccl"`` on
+GPUs (one GPU per rank). ``None`` picks NCCL when moekit runs on CUDA and there is a GPU for
+every rank, else gloo. For NCCL the NVLink-multicast features stay off
+(``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``), which some shared machines
+require.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import pickle
+import queue as queue_mod
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import moekit  # first: sets TRITON_INTERPRET in every spawned child before any kernel import
+from moekit.errors import DistributedError, InvalidInputError
+
+BACKENDS = ("gloo", "nccl")
+_NCCL_SAFETY_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+_GRACE_S = 3.0  # after one rank fails, how long to wait for the others' reports before killing them
+
+
+def default_backend(world_size: int) -> str:
+    """``"nccl"`` when moekit runs on CUDA with a GPU per rank, else ``"gloo"``."""
+    on_cuda = moekit.device.get_device().type == "cuda"
+    return "nccl" if on_cuda and torch.cuda.device_count() >= world_size else "gloo"
+
+
+def _check_backend(backend: str | None, world_size: int) -> str:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size <= 0:
+        raise InvalidInputError(f"world_size must be a positive int, got {world_size!r}")
+    backend = default_backend(world_size) if backend is None else backend
+    if backend not in BACKENDS:
+        raise InvalidInputError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        raise InvalidInputError(
+            f"backend='nccl' needs one GPU per rank: world_size={world_size}, "
+            f"GPUs visible={torch.cuda.device_count()}"
+        )
+    return backend
+
+
+def _init(backend: str, rank: int, world_size: int, timeout_s: float, **kwargs) -> None:
+    if backend == "nccl":
+        os.environ.update(_NCCL_SAFETY_ENV)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+    dist.init_process_group(
+        backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s), **kwargs
+    )
+
+
+def init_from_env(*, backend: str | None = None, timeout_s: float = 300.0) -> tuple[int, int]:
+    """Join the process group that torchrun (or a launcher like it) describes; return (rank, world_size).
+
+    Reads ``RANK`` and ``WORLD_SIZE`` (and ``MASTER_ADDR``/``MASTER_PORT`` through torch's
+    ``env://`` rendezvous); the GPU is ``LOCAL_RANK``. Without those variables it returns
+    ``(0, 1)`` and starts no group, so the same script runs as one process. Safe to call twice.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return 0, 1
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if backend is None:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        backend = default_backend(local)
+    _init(backend, rank, world_size, timeout_s, init_method="env://")
+    return rank, world_size
+
+
+def _to_cpu(obj: Any) -> Any:
+    """Tensors to the CPU, recursively through lists, tuples, dicts and dataclasses."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, list | tuple):
+        return type(obj)(_to_cpu(x) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        fields = [f.name for f in dataclasses.fields(obj) if f.init]
+        return dataclasses.replace(obj, **{name: _to_cpu(getattr(obj, name)) for name in fields})
+    return obj
+
+
+def _child(rank, world_size, port, backend, fn, args, timeout_s, results) -> None:
+    # Results travel as plain-pickled bytes: torch's shared-memory tensor passing would break
+    # when this process exits before the parent reads.
+    try:
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+        _init(backend, rank, world_size, timeout_s, store=store)
+        value = _to_cpu(fn(rank, world_size, *args))
+        results.put((rank, True, pickle.dumps(value)))
+    except BaseException:  # noqa: B036  (the parent must hear about every failure, even SystemExit)
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    backend: str | None = None,
+    args: tuple = (),
+    timeout_s: float = 120.0,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes; return their results.
+
+    Args:
+        fn: an importable function (module level); its return value must pickle.
+        world_size: number of ranks.
+        backend: ``"gloo"``, ``"nccl"`` or None (auto, see the module docstring). With gloo on a
+            machine that has a GPU, the ranks run on the CPU (``MOEKIT_DEVICE=cpu``).
+        args: extra positional arguments, pickled to every rank.
+        timeout_s: limit for the whole run, and for every collective inside it.
+
+    Returns:
+        ``[result of rank 0, result of rank 1, ...]``, tensors on the CPU.
+
+    Raises:
+        DistributedError: a rank raised (the message holds that rank's traceback; when several
+            failed, the first to report leads), died, or the run exceeded ``timeout_s``.
+    """
+    backend = _check_backend(backend, world_size)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    # The parent hosts the rendezvous store on port 0 (the OS picks a free port): no race on the port.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    env = dict(_NCCL_SAFETY_ENV) if backend == "nccl" else {}
+    if backend == "gloo" and torch.cuda.is_available():
+        env["MOEKIT_DEVICE"] = "cpu"
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # spawned children copy the environment at start
+    try:
+        procs = [
+            ctx.Process(target=_child, daemon=True,
+                        args=(r, world_size, store.port, backend, fn, args, timeout_s, results))
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    try:
+        return _collect(procs, results, world_size, timeout_s)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=5)
+        del store
+
+
+def _collect(procs, results, world_size: int, timeout_s: float) -> list[Any]:
+    done: dict[int, Any] = {}
+    failures: list[tuple[int, str]] = []
+    dead_since: dict[int, float] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(done) + len(failures) < world_size:
+        wait = deadline - time.monotonic()
+        if failures:
+            wait = min(wait, _GRACE_S)
+        if wait <= 0:
+            break
+        try:
+            rank, ok, payload = results.get(timeout=min(wait, 0.5))
+        except queue_mod.Empty:
+            now = time.monotonic()
+            reported = set(done) | {r for r, _ in failures}
+            for r, p in enumerate(procs):
+                if r not in reported and p.exitcode not in (None, 0):
+                    # a report put just before dying may still be in flight: give it a second
+                    if now - dead_since.setdefault(r, now) > 1.0:
+                        failures.append((r, f"rank {r} exited with code {p.exitcode} without reporting"))
+            continue
+        if ok:
+            done[rank] = pickle.loads(payload)
+        else:
+            failures.append((rank, payload))
+    if failures:
+        rank, text = failures[0]
+        others = sorted(r for r, _ in failures[1:])
+        also = f" (ranks {others} failed after it)" if others else ""
+        raise DistributedError(f"rank {rank} of {world_size} failed{also}:\n{text}")
+    if len(done) < world_size:
+        missing = sorted(set(range(world_size)) - set(done))
+        raise DistributedError(
+            f"ranks {missing} did not finish within timeout_s={timeout_s:g} s "
+            "(a rank that skips a collective makes the others wait)"
+        )
+    return [done[r] for r in range(world_size)]
+
+
+def gather_traces(trace, *, group=None) -> list[torch.Tensor]:
+    """Every rank's per-chunk tokens-per-expert matrix, gathered to every rank.
+
+    Args:
+        trace: this rank's :class:`moekit.trace.Trace` (``ModularKernel.last_trace``).
+        group: the process group (default: the world).
+
+    Returns:
+        ``[counts of rank 0, counts of rank 1, ...]``, each int64 ``[num_chunks, E_local]`` on the
+        CPU (``num_chunks`` differs between ranks: it follows the rows each rank received). A
+        collective: every rank must call it.
+    """
+    mine = trace.counts_matrix()
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    return gathered

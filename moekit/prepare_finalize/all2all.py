@@ -1,0 +1,212 @@
+"""``All2AllPrepareFinalize``: expert parallelism over torch.distributed, Standard format.
+
+Each of the W ranks owns a contiguous block of ``E_local = E_global / W`` experts, so the owner of
+global expert g is ``g // E_local``. One forward on every rank::
+
+    prepare (rank r, its own M tokens, topk_ids [M, topk] global)
+      a1q, scale = quantize(hidden)                      # as the experts ask (fp8 block or not)
+      pairs = [(m, j) for m, j if topk_ids[m, j] >= 0]   # -1 slots are not sent
+      pairs.sort(key=global id)                          # groups pairs by owner, then by expert
+      counts[g] = pairs with expert g                    # [W * E_local]
+      recv_counts = all_to_all(counts)                   # [W, E_local]: what each source sends me
+      rows, scales, ids = all_to_all(a1q[m], scale[m], g for (m, j) in pairs)
+      -> Prepared(a1q=rows [R, K], topk_ids=ids [R, 1] (global), topk_weights=ones [R, 1],
+                  tokens_meta=recv_counts.sum(0) on the device and on the CPU)
+    experts (rank r): unweighted output [R, 1, K] for its experts only
+    finalize (rank r)
+      back = all_to_all(fused_out)                       # the exact reverse exchange
+      output[m] = sum_j topk_weights[m, j] * back[pair (m, j)]   (fp32, -1 slots add 0)
+
+Router weights never travel: they stay on the source rank and are applied in finalize, in the
+same fp32 order as the one-process path. That is why the received ``topk_weights`` are ones.
+
+Every rank must call ``prepare`` and ``finalize`` (they are collectives), including a rank with
+no tokens: ``collective = True`` tells the modular kernel not to skip them when M == 0.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moekit.errors import DistributedError, InvalidIdsError, InvalidInputError
+from moekit.prepare_finalize.base import PrepareFinalize, quantize_activations, weight_and_reduce
+from moekit.routing import contiguous_expert_map
+from moekit.types import ActivationFormat, ExpertPlacement, ExpertTokensMetadata, Prepared, QuantScheme
+
+
+@dataclass
+class DispatchHandle:
+    """What ``finalize`` needs to send results home and reduce them (kept by ``prepare``).
+
+    - ``send_splits[d]``: pairs this rank sent to rank d; ``recv_splits[s]``: rows received from s.
+    - ``pairs``: int64 ``[S]`` flat ``m * topk + j`` index of every sent pair, in sending order.
+    - ``topk_weights``: the caller's ``[M, topk]`` weights (applied here, at the source).
+    - ``recv_counts``: int64 ``[W, E_local]`` rows received per (source rank, local expert).
+    """
+
+    send_splits: list[int]
+    recv_splits: list[int]
+    pairs: torch.Tensor
+    topk_weights: torch.Tensor
+    M: int
+    topk: int
+    recv_counts: torch.Tensor
+
+
+class All2AllPrepareFinalize(PrepareFinalize):
+    """Dispatch (token, slot) pairs to the rank that owns their expert; combine them back.
+
+    Args:
+        group: the torch.distributed process group (default: the world). Gloo needs CPU
+            tensors, NCCL CUDA tensors.
+        timeout_s: wait at most this long for each exchange, then raise DistributedError. None
+            relies on the group's own timeout (``init_process_group(timeout=...)``). With NCCL a
+            timeout makes every wait a host sync; leave it None when timing.
+
+    The caller passes ``expert_map = contiguous_expert_map(E_global, W, rank)`` (and the local
+    ``[E_local, ...]`` weights) to ``ModularKernel.forward``; the received ``topk_ids`` are
+    global ids, which the experts map to local ids with it.
+    """
+
+    activation_format = ActivationFormat.STANDARD
+    collective = True
+
+    def __init__(self, *, group=None, timeout_s: float | None = None):
+        if timeout_s is not None and not timeout_s > 0:
+            raise InvalidInputError(f"timeout_s must be > 0 or None, got {timeout_s!r}")
+        self.group = group
+        self.timeout_s = timeout_s
+
+    def __repr__(self) -> str:
+        return f"All2AllPrepareFinalize(timeout_s={self.timeout_s})"
+
+    # ----------------------------------------------------------------------------------------
+    def _world(self) -> tuple[int, int]:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise DistributedError(
+                "All2AllPrepareFinalize needs an initialized torch.distributed process group; run "
+                "under moekit.distributed.launch(...) or torchrun + moekit.distributed.init_from_env()"
+            )
+        return dist.get_rank(self.group), dist.get_world_size(self.group)
+
+    def _check_placement(self, placement: ExpertPlacement, rank: int, world: int, device) -> None:
+        E, E_local = placement.num_global_experts, placement.num_local_experts
+        if E != world * E_local:
+            raise InvalidInputError(
+                f"expert parallelism over {world} ranks needs E_global = {world} x E_local, got "
+                f"E_global={E}, E_local={E_local}"
+            )
+        if placement.expert_map is None:
+            if world > 1:
+                raise InvalidInputError(
+                    f"rank {rank} of {world} got no expert_map; pass "
+                    f"expert_map=moekit.routing.contiguous_expert_map({E}, {world}, {rank})"
+                )
+            return
+        want = contiguous_expert_map(E, world, rank, device=device)
+        if not torch.equal(placement.expert_map.to(want.dtype), want):
+            raise InvalidInputError(
+                f"rank {rank} must own the contiguous experts [{rank * E_local}, {(rank + 1) * E_local}); "
+                f"its expert_map does not say so (use contiguous_expert_map({E}, {world}, {rank}))"
+            )
+
+    def _exchange(self, out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, what: str):
+        work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=True)
+        return work, what
+
+    def _wait(self, *pending) -> None:
+        for work, what in pending:
+            try:
+                if self.timeout_s is None:
+                    work.wait()
+                else:
+                    work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+            except RuntimeError as e:
+                raise DistributedError(
+                    f"all-to-all of {what} failed or timed out on rank {dist.get_rank(self.group)}: {e}. "
+                    "Every rank must call forward, including ranks with no tokens."
+                ) from e
+
+    # ----------------------------------------------------------------------------------------
+    def prepare(
+        self,
+        hidden: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        *,
+        quant: QuantScheme,
+        placement: ExpertPlacement,
+    ) -> Prepared:
+        rank, world = self._world()
+        device = hidden.device
+        self._check_placement(placement, rank, world, device)
+        E, E_local = placement.num_global_experts, placement.num_local_experts
+        M, topk = topk_ids.shape
+        K = hidden.shape[1]
+
+        flat = topk_ids.reshape(-1).long()  # [M * topk]
+        if flat.numel() and int(flat.max()) >= E:
+            raise InvalidIdsError(f"topk_ids must be < E_global={E} (or -1), got max {int(flat.max())}")
+        valid = torch.nonzero(flat >= 0).flatten()
+        gid = flat[valid]
+        order = torch.argsort(gid, stable=True)  # by owner rank, then by expert: sends are contiguous
+        pairs, gid = valid[order], gid[order]  # [S]
+        token = pairs // topk
+
+        counts = torch.bincount(gid, minlength=E)  # int64 [W * E_local]
+        recv_counts = torch.empty_like(counts)
+        self._wait(self._exchange(recv_counts, counts, None, None, "the split sizes"))
+        both = torch.stack([counts, recv_counts]).view(2, world, E_local).cpu()  # the one host sync
+        send_splits, recv_splits = both[0].sum(1).tolist(), both[1].sum(1).tolist()
+        R = sum(recv_splits)
+
+        a1q, a1q_scale = quantize_activations(hidden, quant)
+        wire = a1q.view(torch.uint8) if a1q.dtype == torch.float8_e4m3fn else a1q  # fp8 travels as bytes
+        rows = wire.new_empty((R, K))
+        ids = topk_ids.new_empty((R,))
+        pending = [
+            self._exchange(rows, wire[token], recv_splits, send_splits, "activation rows"),
+            self._exchange(ids, gid.to(topk_ids.dtype), recv_splits, send_splits, "expert ids"),
+        ]
+        scales = None
+        if a1q_scale is not None:
+            scales = a1q_scale.new_empty((R, a1q_scale.shape[1]))
+            sent = a1q_scale[token].contiguous()
+            pending.append(self._exchange(scales, sent, recv_splits, send_splits, "scales"))
+        self._wait(*pending)
+
+        per_expert = both[1].sum(0).to(torch.int32)  # [E_local], CPU
+        meta = ExpertTokensMetadata(per_expert.to(device), per_expert)
+        handle = DispatchHandle(send_splits, recv_splits, pairs, topk_weights, M, topk, both[1])
+        return Prepared(
+            a1q=rows.view(a1q.dtype),
+            a1q_scale=scales,
+            tokens_meta=meta,
+            topk_ids=ids.view(R, 1),
+            topk_weights=torch.ones((R, 1), dtype=torch.float32, device=device),
+            handle=handle,
+        )
+
+    def finalize(self, fused_out: torch.Tensor, prepared: Prepared, *, output: torch.Tensor) -> torch.Tensor:
+        h: DispatchHandle = prepared.handle
+        if not isinstance(h, DispatchHandle):
+            raise InvalidInputError("finalize needs the Prepared that this stage's prepare returned")
+        R, K = prepared.a1q.shape[0], output.shape[1]
+        if fused_out.numel() != R * K:
+            raise InvalidInputError(
+                f"fused_out must hold one [K={K}] row per received row (R={R}), got {tuple(fused_out.shape)}"
+            )
+        if tuple(output.shape) != (h.M, K):
+            raise InvalidInputError(f"output must be [M={h.M}, K={K}], got {tuple(output.shape)}")
+        back = fused_out.new_empty((h.pairs.numel(), K))
+        self._wait(self._exchange(back, fused_out.reshape(R, K).contiguous(), h.send_splits, h.recv_splits,
+                                  "expert outputs (combine)"))
+        if h.M == 0:  # this rank only served others (weight_and_reduce cannot view [0, -1, K])
+            return output
+        per_slot = torch.zeros((h.M * h.topk, K), dtype=torch.float32, device=output.device)
+        per_slot[h.pairs] = back.float()  # -1 slots stay 0
+        return weight_and_reduce(per_slot.view(h.M, h.topk, K), h.topk_weights, output)
