@@ -1,0 +1,171 @@
+"""Batched-format experts: per-expert slabs in, per-expert slabs out.
+
+Shapes (E local experts, T = max tokens per expert, K hidden, N = w1 rows)::
+
+    hidden     [E, T, K]     slab e holds expert e's tokens in rows [0, n_e)
+    workspace13 [E, T, N]    GEMM1 output
+    workspace2  [E, T, N/2]  silu_and_mul output
+    output      [E, T, K]    output[e, :n_e] = silu_and_mul(hidden[e, :n_e] @ w1[e]^T) @ w2[e]^T
+
+``n_e = tokens_meta.expert_num_tokens[e]``. Rows past n_e are padding: they are neither read nor
+written (the output's padding rows keep whatever the buffer held; finalize never reads them).
+
+The expert map was already applied by the batched prepare stage (slab e *is* local expert e), so
+these classes accept a placement with a map and ignore ``call.expert_map``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moekit.errors import InvalidInputError, QuantizationError, StaleMetadataError
+from moekit.experts.base import Experts, view_workspace
+from moekit.quant import (
+    dequantize_fp8_block,
+    dequantize_fp8_per_token_group,
+    quantize_fp8_per_token_group,
+)
+from moekit.types import (
+    ActivationFormat,
+    ExpertsCall,
+    ExpertTokensMetadata,
+    ProblemSize,
+    QuantScheme,
+    WorkspaceShapes,
+)
+
+
+class _BatchedExperts(Experts):
+    """What both batched classes share: format flags, workspace shapes, the metadata check."""
+
+    activation_format = ActivationFormat.BATCHED
+    supports_chunking = False  # slabs are per expert, not per token: there is no M to split
+    # True although these classes never read a map: the batched prepare stage maps global ids to
+    # local slabs, and the modular kernel must let the map through to it.
+    supports_expert_map = True
+    uses_tokens_meta = True
+
+    def workspace_shapes(
+        self,
+        problem: ProblemSize,
+        *,
+        act_dtype: torch.dtype,
+        tokens_meta: ExpertTokensMetadata | None = None,
+    ) -> WorkspaceShapes:
+        """``(E, T, N)``, ``(E, T, N/2)`` and output ``(E, T, K)``, where ``T = problem.M``.
+
+        For the batched format the modular kernel sets ``problem.M`` to the slab height
+        (max tokens per expert), not to the caller's token count.
+        """
+        E, T, N, K = problem.num_local_experts, problem.M, problem.N, problem.K
+        return WorkspaceShapes((E, T, N), (E, T, N // 2), (E, T, K), self.compute_dtype(act_dtype))
+
+    def _counts(self, call: ExpertsCall) -> ExpertTokensMetadata:
+        meta = call.tokens_meta
+        if meta is None:
+            raise InvalidInputError(
+                f"{self.name} needs tokens_meta (tokens per local expert), got None; pair it with "
+                "BatchedPrepareFinalize, which returns ExpertTokensMetadata"
+            )
+        E = call.hidden.shape[0]
+        if tuple(meta.expert_num_tokens.shape) != (E,):
+            raise StaleMetadataError(
+                f"{self.name}: expert_num_tokens must have one entry per local expert slab, expected "
+                f"[{E}], got {list(meta.expert_num_tokens.shape)}"
+            )
+        return meta
+
+    def _check_quant(self, call: ExpertsCall) -> bool:
+        fp8 = self.quant is QuantScheme.FP8_BLOCK
+        if fp8 and (call.hidden.dtype != torch.float8_e4m3fn or call.hidden_scale is None):
+            raise QuantizationError(
+                f"{self.name} (fp8 block) expects fp8 activations with [E, T, K/128] scales, got "
+                f"{call.hidden.dtype} with scale {'None' if call.hidden_scale is None else 'given'}"
+            )
+        if not fp8 and call.hidden.dtype == torch.float8_e4m3fn:
+            raise QuantizationError(f"{self.name} is unquantized but got fp8 activations")
+        return fp8
+
+
+class NaiveBatchedExperts(_BatchedExperts):
+    """The reference batched experts: a plain torch loop over local experts, math in fp32.
+
+    Reads the counts on the host (a sync) and skips experts with no tokens. fp8 block inputs
+    and weights are dequantized to fp32 first.
+
+    Args:
+        quant: ``QuantScheme.NONE`` or ``QuantScheme.FP8_BLOCK``.
+    """
+
+    def backend_for(self, problem: ProblemSize) -> str:
+        return "torch"
+
+    def apply(self, call: ExpertsCall) -> str:
+        """Compute ``output[e, :n_e]`` for every local expert with tokens; returns ``"torch"``."""
+        meta = self._counts(call)
+        fp8 = self._check_quant(call)
+        E, T, K = call.hidden.shape
+        N = call.weights.w1.shape[1]
+        ws13 = view_workspace(call.workspace13, (E, T, N))
+        ws2 = view_workspace(call.workspace2, (E, T, N // 2))
+        counts = meta.expert_num_tokens if meta.expert_num_tokens_cpu is None else meta.expert_num_tokens_cpu
+        w = call.weights
+        for e, n in enumerate(counts.tolist()):
+            if n == 0:
+                continue
+            if n > T:
+                raise StaleMetadataError(f"expert_num_tokens[{e}] = {n} exceeds the slab height T={T}")
+            if fp8:
+                x = dequantize_fp8_per_token_group(call.hidden[e, :n], call.hidden_scale[e, :n])
+                w1 = dequantize_fp8_block(w.w1[e], w.w1_scale[e])
+                w2 = dequantize_fp8_block(w.w2[e], w.w2_scale[e])
+            else:
+                x, w1, w2 = call.hidden[e, :n].float(), w.w1[e].float(), w.w2[e].float()
+            ws13[e, :n] = x @ w1.t()
+            h = ws13[e, :n].float()
+            ws2[e, :n] = torch.nn.functional.silu(h[:, : N // 2]) * h[:, N // 2 :]
+            call.output[e, :n] = ws2[e, :n].float() @ w2.t()
+        return "torch"
+
+
+class BatchedTritonExperts(_BatchedExperts):
+    """Two Triton batched GEMMs masked by the counts, with silu_and_mul between them.
+
+    ``GEMM1 -> workspace13 -> silu_and_mul -> workspace2 -> GEMM2 -> output``. Tiles past an
+    expert's token count exit at once, so an expert with 0 tokens costs one early return per
+    tile. No host sync. With ``QuantScheme.FP8_BLOCK`` the activations between the GEMMs are
+    requantized per 1x128 group, as the fp8 block GEMM2 consumes them.
+
+    Args:
+        quant: ``QuantScheme.NONE`` or ``QuantScheme.FP8_BLOCK``.
+    """
+
+    def apply(self, call: ExpertsCall) -> str:
+        """Run GEMM1, the activation and GEMM2 on every slab; returns ``"triton"``."""
+        from moekit.kernels.batched_gemm import batched_gemm
+
+        counts = self._counts(call).expert_num_tokens
+        fp8 = self._check_quant(call)
+        E, T, K = call.hidden.shape
+        N = call.weights.w1.shape[1]
+        w = call.weights
+        ws13 = view_workspace(call.workspace13, (E, T, N))
+        ws2 = view_workspace(call.workspace2, (E, T, N // 2))
+        batched_gemm(call.hidden, w.w1, counts, out=ws13, a_scale=call.hidden_scale, b_scale=w.w1_scale)
+        # Padding rows of ws13 hold stale values; the activation runs over them too (cheaper than
+        # a masked launch) and GEMM2 never reads them.
+        _silu_and_mul(ws13.view(E * T, N), out=ws2.view(E * T, N // 2))
+        if fp8:
+            a2, a2_scale = quantize_fp8_per_token_group(ws2.view(E * T, N // 2))
+            a2, a2_scale = a2.view(E, T, N // 2), a2_scale.view(E, T, -1)
+        else:
+            a2, a2_scale = ws2, None
+        batched_gemm(a2, w.w2, counts, out=call.output, a_scale=a2_scale, b_scale=w.w2_scale)
+        return "triton"
+
+
+def _silu_and_mul(x: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+    """``out = silu(x[:, :N/2]) * x[:, N/2:]`` for ``x [R, N]``."""
+    d = x.shape[1] // 2
+    gate = x[:, :d].float()
+    return out.copy_(torch.nn.functional.silu(gate) * x[:, d:].float())
