@@ -1,0 +1,227 @@
+"""count_expert_num_tokens vs moekit.reference.count_reference: exact equality, both methods."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moekit.errors import InvalidIdsError, InvalidInputError
+from moekit.kernels import count as count_mod
+from moekit.kernels.count import HistogramTuning, count_expert_num_tokens
+from moekit.reference import count_reference
+from moekit.routing import contiguous_expert_map
+
+NUM_TOKENS = [1, 4, 8, 11, 19, 127, 128, 405, 1024, 3333, 7317]  # upstream's grid
+TOPK = [2, 6, 8]
+EP = [1, 2, 4]
+E = 64
+# The scan method runs E_local programs that each read every id: slow in the interpreter, so it
+# gets a subsample of the grid that still covers every topk and every EP size.
+SCAN_CASES = [(1, 2, 1), (4, 6, 2), (8, 8, 4), (11, 2, 1), (19, 6, 2), (127, 8, 4), (128, 2, 1),
+              (405, 6, 2), (1024, 2, 4), (3333, 2, 2)]
+
+
+def distinct_ids(M: int, E: int, topk: int, device, dtype=torch.int64) -> torch.Tensor:
+    """Each row names ``topk`` distinct experts, as a router would (upstream's test inputs)."""
+    return torch.rand(M, E).argsort(dim=1)[:, :topk].to(dtype).contiguous().to(device)
+
+
+def maps(E: int, ep: int, device):
+    if ep == 1:
+        return [None]
+    return [contiguous_expert_map(E, ep, r, device=device) for r in range(ep)]
+
+
+def check(ids, num_local, emap=None, *, method, tuning=None):
+    out = count_expert_num_tokens(ids, num_local, emap, method=method, tuning=tuning)
+    expected = count_reference(ids, num_local, emap)
+    assert out.dtype == torch.int32 and out.shape == (num_local,)
+    assert out.device == ids.device
+    assert torch.equal(out.cpu(), expected.cpu()), f"{method}: {out.tolist()} != {expected.tolist()}"
+    return out
+
+
+@pytest.mark.parametrize("ep", EP)
+@pytest.mark.parametrize("topk", TOPK)
+@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
+def test_histogram_upstream_grid(num_tokens, topk, ep, device):
+    ids = distinct_ids(num_tokens, E, topk, device)
+    for emap in maps(E, ep, device):
+        check(ids, E // ep, emap, method="histogram")
+        if emap is not None:  # upstream's second check: the no-map path on host-premapped ids
+            check(emap.long()[ids].to(ids.dtype), E // ep, method="histogram")
+
+
+@pytest.mark.parametrize("num_tokens,topk,ep", SCAN_CASES)
+def test_scan_upstream_subsample(num_tokens, topk, ep, device):
+    ids = distinct_ids(num_tokens, E, topk, device)
+    for emap in maps(E, ep, device):
+        check(ids, E // ep, emap, method="scan")
+
+
+@pytest.mark.parametrize("method", ["histogram", "scan"])
+class TestEdgeCases:
+    def test_worked_example(self, method, device):
+        ids = torch.tensor([[0, 3], [3, -1], [5, 1]], device=device)
+        emap = torch.tensor([-1, -1, -1, 0, 1, 2], device=device)
+        assert count_expert_num_tokens(ids, 3, emap, method=method).tolist() == [2, 0, 1]
+        assert count_expert_num_tokens(ids, 3, method=method).tolist() == [1, 1, 0]
+
+    def test_minus_one_with_map(self, method, device):
+        # -1 must never index expert_map[-1] (which here would be local expert 7 of rank 1).
+        ids = torch.full((37, 4), -1, dtype=torch.int64, device=device)
+        ids[::3, 1] = 9
+        emap = contiguous_expert_map(16, 2, 1, device=device)
+        out = check(ids, 8, emap, method=method)
+        assert out[1] == 13 and out.sum() == 13
+
+    def test_empty_returns_zeros(self, method, device):
+        for shape in [(0, 8), (0,), (5, 0)]:
+            ids = torch.empty(shape, dtype=torch.int32, device=device)
+            out = count_expert_num_tokens(ids, 6, method=method)
+            assert out.dtype == torch.int32 and out.tolist() == [0] * 6
+
+    def test_ids_beyond_the_map_are_ignored(self, method, device):
+        emap = contiguous_expert_map(8, 2, 0, device=device)  # global 0..3 -> local 0..3
+        ids = torch.tensor([[0, 8], [1, 1000], [2, 2**40]], device=device)
+        assert check(ids, 4, emap, method=method).tolist() == [1, 1, 1, 0]
+
+    def test_ids_beyond_num_local_without_map_are_ignored(self, method, device):
+        # int64 2**32 + 1 would wrap to 1 if the kernel cast to int32 before comparing.
+        ids = torch.tensor([[0, 5], [1, 2**32 + 1], [6, -7]], device=device)
+        assert check(ids, 4, method=method).tolist() == [1, 1, 0, 0]
+
+    def test_map_entries_outside_local_range_are_ignored(self, method, device):
+        emap = torch.tensor([0, 5, -3, 1], dtype=torch.int32, device=device)
+        ids = torch.tensor([0, 1, 2, 3, 3], device=device)
+        assert check(ids, 2, emap, method=method).tolist() == [1, 2]
+
+    @pytest.mark.parametrize("E_,ep", [(7, 1), (60, 1), (60, 2), (60, 4), (32, 32), (1, 1)])
+    def test_non_power_of_two_and_single_local_expert(self, method, E_, ep, device):
+        ids = torch.randint(-1, E_, (19, 3), device=device)
+        for emap in maps(E_, ep, device):
+            check(ids, E_ // ep, emap, method=method)
+
+    @pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+    @pytest.mark.parametrize("map_dtype", [torch.int32, torch.int64])
+    def test_id_and_map_dtypes(self, method, ids_dtype, map_dtype, device):
+        ids = torch.randint(-1, 24, (33, 6), dtype=ids_dtype, device=device)
+        emap = contiguous_expert_map(24, 3, 2, device=device).to(map_dtype)
+        check(ids, 8, emap, method=method)
+        check(ids, 24, method=method)
+
+    def test_duplicates_in_a_row_count_per_slot(self, method, device):
+        ids = torch.tensor([[2, 2, 2], [2, 0, 0]], device=device)
+        assert check(ids, 3, method=method).tolist() == [2, 0, 4]
+
+    @pytest.mark.parametrize("numel", [1, 2, 3, 1023, 1024, 1025])
+    def test_numel(self, method, numel, device):
+        ids = torch.randint(-1, 32, (numel,), device=device)
+        for emap in maps(32, 2, device):
+            check(ids, 16, emap, method=method)
+
+    def test_one_dimensional_ids(self, method, device):
+        ids = torch.randint(0, 5, (50,), device=device)
+        check(ids, 5, method=method)
+
+    @pytest.mark.parametrize(
+        "bad",
+        [
+            lambda d: torch.zeros(4, 2, dtype=torch.uint8, device=d),
+            lambda d: torch.zeros(4, 2, dtype=torch.float32, device=d),
+            lambda d: torch.zeros(4, 4, dtype=torch.int32, device=d)[:, ::2],
+            lambda d: torch.zeros(2, 2, 2, dtype=torch.int32, device=d),
+            lambda d: torch.zeros((), dtype=torch.int32, device=d),
+            lambda d: [[0, 1]],
+        ],
+        ids=["unsigned", "float", "non-contiguous", "3-D", "0-D", "list"],
+    )
+    def test_bad_ids_raise(self, method, bad, device):
+        with pytest.raises(InvalidIdsError):
+            count_expert_num_tokens(bad(device), 4, method=method)
+
+    def test_bad_maps_raise(self, method, device):
+        ids = torch.zeros(3, 2, dtype=torch.int32, device=device)
+        for emap in [
+            torch.zeros(8, dtype=torch.uint8, device=device),
+            torch.zeros(8, dtype=torch.float32, device=device),
+            torch.zeros(2, 4, dtype=torch.int32, device=device),
+            torch.zeros(16, dtype=torch.int32, device=device)[::2],
+            torch.zeros(8, dtype=torch.int32, device="meta"),
+        ]:
+            with pytest.raises(InvalidIdsError):
+                count_expert_num_tokens(ids, 4, emap, method=method)
+
+    @pytest.mark.parametrize("num_local", [0, -1, 2.0, True, None])
+    def test_bad_num_local_raises(self, method, num_local, device):
+        ids = torch.zeros(3, 2, dtype=torch.int32, device=device)
+        with pytest.raises(InvalidInputError, match="num_local_experts"):
+            count_expert_num_tokens(ids, num_local, method=method)
+
+    def test_deterministic(self, method, device):
+        ids = distinct_ids(300, 48, 8, device)
+        emap = contiguous_expert_map(48, 2, 1, device=device)
+        tuning = HistogramTuning(block=128, programs_per_sm=2) if method == "histogram" else None
+        runs = {tuple(count_expert_num_tokens(ids, 24, emap, method=method, tuning=tuning).tolist())
+                for _ in range(10)}
+        assert len(runs) == 1
+
+
+def test_unknown_method_raises(device):
+    ids = torch.zeros(3, 2, dtype=torch.int32, device=device)
+    with pytest.raises(InvalidInputError, match="method"):
+        count_expert_num_tokens(ids, 4, method="bincount")
+
+
+def test_tuning_is_checked(device):
+    ids = torch.zeros(3, 2, dtype=torch.int32, device=device)
+    with pytest.raises(InvalidInputError, match="tuning"):
+        count_expert_num_tokens(ids, 4, method="scan", tuning=HistogramTuning())
+    for bad in [dict(block=100), dict(num_warps=3), dict(programs_per_sm=0), dict(block=True)]:
+        with pytest.raises(InvalidInputError, match="HistogramTuning"):
+            HistogramTuning(**bad)
+
+
+@pytest.mark.parametrize(
+    "tuning",
+    [
+        HistogramTuning(block=128, programs_per_sm=1),
+        HistogramTuning(block=256, programs_per_sm=3, num_warps=2),
+        HistogramTuning(block=8192, num_warps=16),
+    ],
+)
+def test_histogram_tunings_agree(tuning, device):
+    # Small tiles and a small grid make each program loop over many tiles (grid-stride).
+    ids = distinct_ids(1111, 96, 6, device)
+    for emap in [None, contiguous_expert_map(96, 3, 1, device=device)]:
+        check(ids, 96 if emap is None else 32, emap, method="histogram", tuning=tuning)
+
+
+def test_histogram_sentinel_bin_fallback(monkeypatch, device):
+    # Triton releases whose tl.histogram has no `mask` use a sentinel bin; both paths agree.
+    monkeypatch.setattr(count_mod, "_HISTOGRAM_HAS_MASK", False)
+    ids = torch.randint(-1, 70, (257, 5), device=device)
+    for num_local, emap in [(64, None), (32, contiguous_expert_map(64, 2, 1, device=device)), (31, None)]:
+        check(ids, num_local, emap, method="histogram")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["histogram", "scan"])
+@pytest.mark.parametrize("M,topk,E_,ep", [(65536, 8, 256, 1), (262144, 8, 256, 8), (16384, 6, 64, 4)])
+def test_large_on_gpu(method, M, topk, E_, ep):
+    ids = torch.randint(-1, E_, (M, topk), device="cuda")
+    for emap in maps(E_, ep, "cuda")[:2]:
+        check(ids, E_ // ep, emap, method=method)
+
+
+@pytest.mark.gpu
+def test_map_on_other_device_raises_on_gpu():
+    ids = torch.zeros(3, 2, dtype=torch.int32, device="cuda")
+    with pytest.raises(InvalidIdsError):
+        count_expert_num_tokens(ids, 4, torch.zeros(8, dtype=torch.int32))
+
+
+@pytest.mark.gpu
+def test_cpu_ids_rejected_when_compiling():
+    with pytest.raises(InvalidInputError, match="CPU"):
+        count_expert_num_tokens(torch.zeros(3, 2, dtype=torch.int32), 4)
