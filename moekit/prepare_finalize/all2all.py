@@ -80,6 +80,7 @@ class All2AllPrepareFinalize(PrepareFinalize):
             raise InvalidInputError(f"timeout_s must be > 0 or None, got {timeout_s!r}")
         self.group = group
         self.timeout_s = timeout_s
+        self.last_handle: DispatchHandle | None = None  # the latest prepare's, for inspection
 
     def __repr__(self) -> str:
         return f"All2AllPrepareFinalize(timeout_s={self.timeout_s})"
@@ -182,6 +183,7 @@ class All2AllPrepareFinalize(PrepareFinalize):
         per_expert = both[1].sum(0).to(torch.int32)  # [E_local], CPU
         meta = ExpertTokensMetadata(per_expert.to(device), per_expert)
         handle = DispatchHandle(send_splits, recv_splits, pairs, topk_weights, M, topk, both[1])
+        self.last_handle = handle
         return Prepared(
             a1q=rows.view(a1q.dtype),
             a1q_scale=scales,

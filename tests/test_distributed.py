@@ -1,0 +1,136 @@
+"""moekit.distributed: launch, failures with the failing rank's traceback, init_from_env, gather."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moekit.distributed import _to_cpu, gather_traces, init_from_env, launch
+from moekit.errors import DistributedError, InvalidInputError
+from moekit.testing import expect_raises
+
+pytestmark = pytest.mark.distributed
+
+
+# Rank functions live at module level: spawned ranks import them by name.
+def sum_ranks(rank, world, offset):
+    t = torch.tensor([rank + offset])
+    dist.all_reduce(t)
+    return {"rank": rank, "world": world, "sum": t, "interpreter": os.environ.get("TRITON_INTERPRET")}
+
+
+def fail_on_one(rank, world):
+    if rank == 1:
+        raise ValueError("rank one has a bad day")
+    dist.barrier()  # rank 0 waits here: launch must not hang on it
+    return rank
+
+
+def die_on_zero(rank, world):
+    if rank == 0:
+        os._exit(7)
+    return rank
+
+
+def hang_on_one(rank, world):
+    if rank == 1:
+        time.sleep(600)
+    dist.barrier()
+    return rank
+
+
+def gather_fake_traces(rank, world):
+    class FakeTrace:
+        def counts_matrix(self):
+            return torch.full((rank + 1, 3), rank, dtype=torch.int64)
+
+    return gather_traces(FakeTrace())
+
+
+def test_launch_returns_every_rank_in_order_and_sets_up_moekit():
+    results = launch(sum_ranks, 2, backend="gloo", args=(10,), timeout_s=60)
+    assert [r["rank"] for r in results] == [0, 1]
+    assert all(r["world"] == 2 and r["sum"].item() == 21 for r in results)
+    assert all(r["interpreter"] == "1" for r in results)  # children import moekit before kernels
+
+
+def test_failing_rank_traceback_reaches_the_caller():
+    start = time.monotonic()
+    with expect_raises(DistributedError, match="rank 1 of 2 failed") as caught:
+        launch(fail_on_one, 2, backend="gloo", timeout_s=60)
+    assert "ValueError: rank one has a bad day" in caught.message
+    assert "fail_on_one" in caught.message  # the traceback, not just the message
+    assert time.monotonic() - start < 30  # did not wait for rank 0's barrier to time out
+
+
+def test_rank_that_dies_without_a_word():
+    with expect_raises(DistributedError, match="rank 0 .*exited with code 7"):
+        launch(die_on_zero, 2, backend="gloo", timeout_s=60)
+
+
+def test_hanging_rank_times_out():
+    start = time.monotonic()
+    with expect_raises(DistributedError):
+        launch(hang_on_one, 2, backend="gloo", timeout_s=5)
+    assert time.monotonic() - start < 30
+
+
+def test_gather_traces_returns_every_rank_counts():
+    results = launch(gather_fake_traces, 2, backend="gloo", timeout_s=60)
+    for gathered in results:
+        assert [tuple(c.shape) for c in gathered] == [(1, 3), (2, 3)]
+        assert gathered[1].unique().tolist() == [1]
+
+
+def test_bad_arguments():
+    with expect_raises(InvalidInputError, match="world_size"):
+        launch(sum_ranks, 0)
+    with expect_raises(InvalidInputError, match="backend"):
+        launch(sum_ranks, 1, backend="mpi")
+    if torch.cuda.device_count() < 64:
+        with expect_raises(InvalidInputError, match="one GPU per rank"):
+            launch(sum_ranks, 64, backend="nccl")
+
+
+def test_init_from_env_without_torchrun_is_one_process(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert init_from_env() == (0, 1)
+    assert not dist.is_initialized()
+
+
+def test_init_from_env_joins_a_torchrun_style_group(monkeypatch):
+    # What torchrun exports for a one-process job.
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(k, v)
+    try:
+        assert init_from_env(backend="gloo", timeout_s=30) == (0, 1)
+        assert dist.get_backend() == "gloo"
+        assert init_from_env() == (0, 1)  # a second call is harmless
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@dataclass
+class _Box:
+    t: torch.Tensor
+    items: list
+
+
+def test_results_move_to_cpu_recursively():
+    x = torch.ones(2, requires_grad=True)
+    out = _to_cpu({"a": [x * 2, (x,)], "b": _Box(x, [x]), "c": 3})
+    assert not out["a"][0].requires_grad and out["c"] == 3
+    assert isinstance(out["b"], _Box) and out["b"].items[0].device.type == "cpu"
