@@ -1,0 +1,127 @@
+"""CPU tests of the benchmark harness's pure parts: shapes, accounting, the grouped_mm peer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moekit.bench import peers, shapes
+from moekit.errors import InvalidInputError
+from moekit.reference import moe_reference
+from moekit.testing import assert_close
+
+QWEN = shapes.get_shape("qwen3_30b_a3b")
+DSV3 = shapes.get_shape("deepseek_v3")
+
+
+def test_named_shapes():
+    assert (QWEN.E, QWEN.topk, QWEN.K, QWEN.I, QWEN.N) == (128, 8, 2048, 768, 1536)
+    assert (DSV3.E, DSV3.topk, DSV3.K, DSV3.I, DSV3.N) == (256, 8, 7168, 2048, 4096)
+    with pytest.raises(InvalidInputError, match="qwen3_30b_a3b"):
+        shapes.get_shape("mixtral")
+
+
+def test_flops_count_both_gemms():
+    # GEMM1: [8, 2048] x [2048, 1536]; GEMM2: [8, 768] x [768, 2048]
+    assert shapes.layer_flops(QWEN, 1) == 2 * 8 * 2048 * 1536 + 2 * 8 * 768 * 2048
+    assert shapes.layer_flops(QWEN, 4096) == 4096 * shapes.layer_flops(QWEN, 1)
+
+
+def test_bytes_count_hit_experts_and_activations():
+    one = (1536 * 2048 + 2048 * 768) * 2
+    assert QWEN.expert_bytes("bf16") == one
+    assert shapes.layer_bytes(QWEN, 1, 8, "bf16") == 8 * one + 2 * 2048 * 2
+    # fp8: one byte per weight plus fp32 128x128 block scales
+    scales = 4 * (12 * 16 + 16 * 6)
+    assert QWEN.expert_bytes("fp8") == one // 2 + scales
+    with pytest.raises(InvalidInputError):
+        shapes.layer_bytes(QWEN, 1, 9, "bf16")  # 1 token x topk 8 cannot hit 9 experts
+    with pytest.raises(InvalidInputError):
+        QWEN.expert_bytes("int4")
+
+
+@pytest.mark.parametrize(
+    ("shape", "M", "facts_us"),
+    [(QWEN, 1, 17.6), (QWEN, 128, 281.0), (QWEN, 4096, 391.0), (QWEN, 16384, 1566.0), (DSV3, 16384, 14600.0)],
+)
+def test_floors_match_facts(shape, M, facts_us):
+    unique = round(shapes.expected_unique_experts(shape, M))
+    floor = shapes.layer_floor(shape, M, unique, "bf16")
+    assert floor.us == pytest.approx(facts_us, rel=0.005)
+    assert floor.us == pytest.approx(shapes.FACTS_FLOORS[(shape.name, "bf16", M)], rel=0.005)
+    assert floor.bound == ("memory" if M <= 128 else "compute")
+
+
+def test_fp8_floor_uses_the_fp8_peak():
+    bf16 = shapes.layer_floor(DSV3, 16384, 256, "bf16")
+    fp8 = shapes.layer_floor(DSV3, 16384, 256, "fp8")
+    assert fp8.compute_us == pytest.approx(bf16.compute_us * 790 / 1365)
+    assert fp8.memory_us < bf16.memory_us
+
+
+def test_targets_bind_the_right_peers():
+    (t,) = shapes.TARGETS[("qwen3_30b_a3b", "bf16", 4096)]
+    assert shapes.check_target(t, "triton", us=550.0) is True
+    assert shapes.check_target(t, "triton", us=650.0) is False
+    assert shapes.check_target(t, "grouped_mm", us=550.0) is None  # a peer, not moekit
+    dg, fallback = shapes.TARGETS[("deepseek_v3", "fp8", 4096)]
+    assert shapes.check_target(dg, "deep_gemm", us=1.0, gemm_tflops=1200.0, non_gemm_fraction=0.2) is True
+    assert shapes.check_target(dg, "deep_gemm", us=1.0, gemm_tflops=1200.0, non_gemm_fraction=0.3) is False
+    assert shapes.check_target(dg, "deep_gemm_triton", us=1.0, gemm_tflops=2000.0) is None
+    assert shapes.check_target(fallback, "deep_gemm_triton", us=1.0, gemm_tflops=650.0) is True
+    assert shapes.check_target(fallback, "deep_gemm_triton", us=1.0) is None  # rate not measured
+
+
+def _routing(M, E, topk, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:topk] for _ in range(M)]).to(torch.int32)
+    weights = torch.rand(M, topk, generator=g) + 0.1
+    return weights / weights.sum(-1, keepdim=True), ids
+
+
+def test_permute_by_expert_groups_pairs():
+    weights, ids = _routing(M=9, E=5, topk=2)
+    perm = peers.permute_by_expert(ids, 5)
+    flat = ids.flatten().long()
+    sorted_ids = flat[perm.order]
+    assert torch.all(sorted_ids[1:] >= sorted_ids[:-1])
+    counts = torch.bincount(flat, minlength=5)
+    assert perm.offsets.dtype == torch.int32
+    assert perm.offsets.tolist() == torch.cumsum(counts, 0).tolist()
+    assert torch.equal(perm.token, perm.order // 2)
+
+
+def test_unpermute_and_reduce_weights_and_sums():
+    weights, ids = _routing(M=6, E=4, topk=3, seed=1)
+    perm = peers.permute_by_expert(ids, 4)
+    per_pair = torch.randn(6 * 3, 7)  # rows in (token, slot) order
+    out = peers.unpermute_and_reduce(per_pair[perm.order], perm, weights)
+    expected = (per_pair.view(6, 3, 7) * weights.unsqueeze(-1)).sum(1)
+    torch.testing.assert_close(out, expected)
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no torch._grouped_mm")
+@pytest.mark.parametrize(("M", "E", "topk", "K", "I"), [(16, 8, 2, 64, 32), (5, 7, 3, 48, 16)])
+def test_grouped_mm_peer_matches_reference(M, E, topk, K, I):
+    weights, ids = _routing(M, E, topk, seed=M)
+    x = peers.LayerInputs(
+        hidden=torch.randn(M, K, dtype=torch.bfloat16),
+        w1=(torch.randn(E, 2 * I, K) / 8).to(torch.bfloat16),
+        w2=(torch.randn(E, K, I) / 8).to(torch.bfloat16),
+        topk_weights=weights,
+        topk_ids=ids,
+    )
+    out = peers.grouped_mm_moe(x)
+    assert out.shape == (M, K) and out.dtype == torch.bfloat16
+    ref = moe_reference(x.hidden, x.w1, x.w2, weights, ids)
+    assert_close(out, ref, dtype=torch.bfloat16)
+
+
+def test_grouped_mm_peer_refuses_fp8_and_skips_politely():
+    p = peers.make_peer("grouped_mm", "fp8")
+    assert p.skipped and "bf16" in p.skipped
+    with pytest.raises(InvalidInputError, match="skipped"):
+        p.run(None)
+    with pytest.raises(InvalidInputError, match="peer must be one of"):
+        peers.make_peer("cublas", "bf16")
+    assert peers.make_peer("deep_gemm", "bf16").skipped
