@@ -2,13 +2,14 @@
 
 Shapes (E local experts, T = max tokens per expert, K hidden, N = w1 rows)::
 
-    hidden     [E, T, K]     slab e holds expert e's tokens in rows [0, n_e)
-    workspace13 [E, T, N]    GEMM1 output
-    workspace2  [E, T, N/2]  silu_and_mul output
-    output      [E, T, K]    output[e, :n_e] = silu_and_mul(hidden[e, :n_e] @ w1[e]^T) @ w2[e]^T
+    hidden       [E, T, K]     slab e holds expert e's tokens in rows [0, n_e)
+    workspace13  [E, T, N]     GEMM1 output
+    workspace2   [E, T, N/2]   silu_and_mul output (fp8 block: its fp8 requantization)
+    output       [E, T, K]     output[e, :n_e] = silu_and_mul(hidden[e, :n_e] @ w1[e]^T) @ w2[e]^T
 
-``n_e = tokens_meta.expert_num_tokens[e]``. Rows past n_e are padding: they are neither read nor
-written (the output's padding rows keep whatever the buffer held; finalize never reads them).
+``n_e = tokens_meta.expert_num_tokens[e]``. Rows past n_e are padding. The output's padding rows
+are never written (they keep whatever the buffer held; finalize never reads them), so unlike the
+Standard-format contract in ``base.py`` not every output element is written.
 
 The expert map was already applied by the batched prepare stage (slab e *is* local expert e), so
 these classes accept a placement with a map and ignore ``call.expert_map``.
@@ -19,12 +20,8 @@ from __future__ import annotations
 import torch
 
 from moekit.errors import InvalidInputError, QuantizationError, StaleMetadataError
-from moekit.experts.base import Experts, view_workspace
-from moekit.quant import (
-    dequantize_fp8_block,
-    dequantize_fp8_per_token_group,
-    quantize_fp8_per_token_group,
-)
+from moekit.experts.base import Experts, carve, view_workspace
+from moekit.quant import dequantize_fp8_block, dequantize_fp8_per_token_group
 from moekit.types import (
     ActivationFormat,
     ExpertsCall,
@@ -133,8 +130,8 @@ class BatchedTritonExperts(_BatchedExperts):
 
     ``GEMM1 -> workspace13 -> silu_and_mul -> workspace2 -> GEMM2 -> output``. Tiles past an
     expert's token count exit at once, so an expert with 0 tokens costs one early return per
-    tile. No host sync. With ``QuantScheme.FP8_BLOCK`` the activations between the GEMMs are
-    requantized per 1x128 group, as the fp8 block GEMM2 consumes them.
+    tile. No host sync. With ``QuantScheme.FP8_BLOCK`` the activation kernel also requantizes
+    its output per 1x128 group, as the fp8 block GEMM2 consumes it.
 
     Args:
         quant: ``QuantScheme.NONE`` or ``QuantScheme.FP8_BLOCK``.
@@ -142,30 +139,28 @@ class BatchedTritonExperts(_BatchedExperts):
 
     def apply(self, call: ExpertsCall) -> str:
         """Run GEMM1, the activation and GEMM2 on every slab; returns ``"triton"``."""
+        from moekit.kernels.activation import silu_and_mul, silu_and_mul_fp8_group
         from moekit.kernels.batched_gemm import batched_gemm
 
         counts = self._counts(call).expert_num_tokens
         fp8 = self._check_quant(call)
-        E, T, K = call.hidden.shape
+        E, T, _ = call.hidden.shape
         N = call.weights.w1.shape[1]
         w = call.weights
         ws13 = view_workspace(call.workspace13, (E, T, N))
         ws2 = view_workspace(call.workspace2, (E, T, N // 2))
-        batched_gemm(call.hidden, w.w1, counts, out=ws13, a_scale=call.hidden_scale, b_scale=w.w1_scale)
-        # Padding rows of ws13 hold stale values; the activation runs over them too (cheaper than
-        # a masked launch) and GEMM2 never reads them.
-        _silu_and_mul(ws13.view(E * T, N), out=ws2.view(E * T, N // 2))
+        # The activation runs over every row of the slabs (one launch, no host sync), so GEMM1
+        # zeroes the padding rows: stale workspace bytes could hold inf/NaN. GEMM2 never reads them.
+        x, x_scale = call.hidden, call.hidden_scale
+        batched_gemm(x, w.w1, counts, out=ws13, a_scale=x_scale, b_scale=w.w1_scale, zero_padding=True)
+        rows = ws13.view(E * T, N)
         if fp8:
-            a2, a2_scale = quantize_fp8_per_token_group(ws2.view(E * T, N // 2))
+            # Quantize in the same pass; the fp8 activations fit in workspace2's first half.
+            q = carve(call.workspace2, (E * T, N // 2), dtype=torch.float8_e4m3fn)
+            a2, a2_scale = silu_and_mul_fp8_group(rows, out_q=q)
             a2, a2_scale = a2.view(E, T, N // 2), a2_scale.view(E, T, -1)
         else:
-            a2, a2_scale = ws2, None
+            a2, a2_scale = silu_and_mul(rows, out=ws2.view(E * T, N // 2)).view(E, T, N // 2), None
         batched_gemm(a2, w.w2, counts, out=call.output, a_scale=a2_scale, b_scale=w.w2_scale)
         return "triton"
 
-
-def _silu_and_mul(x: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
-    """``out = silu(x[:, :N/2]) * x[:, N/2:]`` for ``x [R, N]``."""
-    d = x.shape[1] // 2
-    gate = x[:, :d].float()
-    return out.copy_(torch.nn.functional.silu(gate) * x[:, d:].float())

@@ -38,19 +38,27 @@ def _batched_gemm_kernel(
     stride_bse, stride_bsn, stride_bsk,
     # Meta-parameters
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    FP8_SCALED: tl.constexpr, UPCAST_BF16: tl.constexpr,
+    FP8_SCALED: tl.constexpr, UPCAST_BF16: tl.constexpr, ZERO_PADDING: tl.constexpr,
 ):
     e = tl.program_id(0)
     pid_t = tl.program_id(1)
     pid_n = tl.program_id(2)
     n_e = tl.minimum(tl.load(counts_ptr + e), T)
-    # The grid is sized for the worst case (T rows everywhere); tiles past this expert's tokens
-    # do no work and write nothing, so a lightly loaded expert costs almost nothing.
-    if pid_t * BLOCK_T >= n_e:
-        return
-
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ptrs = c_ptr + e * stride_ce + offs_t[:, None] * stride_ct + offs_n[None, :] * stride_cn
+    # What the store covers: valid rows only, or every row of the slab when padding is zeroed.
+    rows_stored = n_e
+    if ZERO_PADDING:
+        rows_stored = T
+    store_ok = (offs_t[:, None] < rows_stored) & (offs_n[None, :] < N)
+    # The grid is sized for the worst case (T rows everywhere); tiles past this expert's tokens
+    # do no math, so a lightly loaded expert costs almost nothing.
+    if pid_t * BLOCK_T >= n_e:
+        if ZERO_PADDING:
+            tl.store(c_ptrs, tl.zeros((BLOCK_T, BLOCK_N), dtype=c_ptr.dtype.element_ty), mask=store_ok)
+        return
+
     offs_k = tl.arange(0, BLOCK_K)
     row_ok = offs_t < n_e
     col_ok = offs_n < N
@@ -78,8 +86,8 @@ def _batched_gemm_kernel(
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
-    c_ptrs = c_ptr + e * stride_ce + offs_t[:, None] * stride_ct + offs_n[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    # Rows past n_e loaded as zeros, so acc is already 0 there (ZERO_PADDING stores it).
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=store_ok)
 
 
 def batched_gemm(
@@ -90,6 +98,7 @@ def batched_gemm(
     out: torch.Tensor | None = None,
     a_scale: torch.Tensor | None = None,
     b_scale: torch.Tensor | None = None,
+    zero_padding: bool = False,
 ) -> torch.Tensor:
     """``c[e, :n_e] = a[e, :n_e] @ b[e]^T`` for every expert slab; padding rows are skipped.
 
@@ -100,9 +109,11 @@ def batched_gemm(
             c[e, :n] = a[e, :n] @ b[e].T        # rows n..T-1 of c[e] are left untouched
 
     One program computes one ``BLOCK_T x BLOCK_N`` tile of one expert; a tile whose first row
-    is at or past ``n_e`` returns at once. **Rows of ``c`` past ``expert_num_tokens[e]`` are
-    never written**: with ``out`` given they keep their old contents, without it they are
-    uninitialized memory. Consumers must read only ``c[e, :n_e]``.
+    is at or past ``n_e`` returns at once. **By default rows of ``c`` past
+    ``expert_num_tokens[e]`` are never written**: with ``out`` given they keep their old
+    contents, without it they are uninitialized memory, and consumers must read only
+    ``c[e, :n_e]``. ``zero_padding=True`` writes zeros there instead (still no math), for a
+    consumer that reads whole slabs, such as an activation that runs over every row.
 
     Args:
         a: ``[E, T, K]`` bf16/fp16/fp32, or fp8 e4m3 with ``a_scale``.
@@ -111,6 +122,7 @@ def batched_gemm(
         out: optional ``[E, T, N]`` output; defaults to ``a``'s dtype (bf16 for fp8 inputs).
         a_scale: fp32 ``[E, T, ceil(K/128)]`` per 1x128 group, for fp8 inputs only.
         b_scale: fp32 ``[E, ceil(N/128), ceil(K/128)]`` per 128x128 block, for fp8 inputs only.
+        zero_padding: write zeros to ``c[e, n_e:]`` instead of leaving those rows untouched.
 
     Returns:
         ``out`` (or a new ``[E, T, N]`` tensor).
@@ -154,6 +166,7 @@ def batched_gemm(
         sb.stride(0), sb.stride(1), sb.stride(2),
         BLOCK_T=BLOCK_T, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
         FP8_SCALED=fp8, UPCAST_BF16=interpreting() and a.dtype == torch.bfloat16,
+        ZERO_PADDING=bool(zero_padding),
     )
     return out
 

@@ -187,8 +187,8 @@ def _direct_call(cls, counts, *, meta=True):
         hidden_scale=None,
         topk_ids=ids,
         weights=MoEWeights(w1, w2),
-        workspace13=torch.empty(shapes.workspace13),
-        workspace2=torch.empty(shapes.workspace2),
+        workspace13=torch.full(shapes.workspace13, float("nan")),  # stale bytes must not leak
+        workspace2=torch.full(shapes.workspace2, float("nan")),
         global_num_experts=E,
         tokens_meta=prepared.tokens_meta if meta else None,
     )

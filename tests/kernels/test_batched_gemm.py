@@ -61,6 +61,18 @@ def test_bf16_is_right_under_the_interpreter():
     assert moekit.device.interpreting() == (moekit.device.get_device().type == "cpu")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zero_padding_writes_zeros_past_the_counts(dtype):
+    E, T, K, N = 3, 40, 32, 24
+    a, b = _operands(E, T, K, N, dtype)
+    counts = torch.tensor([0, 17, 40], dtype=torch.int32)
+    c = torch.full((E, T, N), float("nan"), dtype=dtype)
+    batched_gemm(a, b, counts, out=c, zero_padding=True)
+    for e, n in enumerate(counts.tolist()):
+        assert_close(c[e, :n], a[e, :n].float() @ b[e].float().t(), dtype=dtype)
+        assert (c[e, n:] == 0).all()
+
+
 def test_no_tokens_anywhere_writes_nothing():
     a, b = _operands(3, 8, 32, 16, torch.float32)
     c = torch.full((3, 8, 16), POISON)
