@@ -1,0 +1,325 @@
+"""Permute (token, slot) rows into DeepGEMM's contiguous layout, and gather them back.
+
+Shapes (M tokens, K hidden, G = K/128 scale groups, E local experts, M_sum rows of the layout)::
+
+    a1q         [M, K]       fp8 activations       a1q_scale  [M, G] fp32 (any strides)
+    topk_ids    [M, topk]    global expert ids, -1 = empty slot
+    counts      [E]          int32 (token, slot) pairs per local expert
+    a           [M_sum, K]   fp8, rows grouped by expert, each group padded to 128 rows
+    a_scale     [M_sum, G]   fp32, column-major storage [G, round_up(M_sum, 4)] (TMA alignment)
+    m_indices   [M_sum]      int32 expert of every row, padding rows included (never -1)
+    inv_perm    [M * topk]   int32 flat pair -> row of ``a``, -1 for empty or non-local slots
+
+The contiguous layout for counts = [3, 0, 130] and M_sum = 512::
+
+    rows   0..2    expert 0 (3 pairs)      rows 3..127   padding, m_indices 0
+    rows 128..257  expert 2 (130 pairs)    rows 258..383 padding, m_indices 2
+    rows 384..511  unused blocks, m_indices 2 (the last expert), no data
+
+Within an expert, rows are placed in the order an atomic counter hands out; the order does not
+change any result (every output row depends on its own input row only), but ``inv_perm`` may
+differ between GPU runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from moekit.errors import InvalidInputError
+from moekit.validate import check_ids
+
+ALIGN = 128  # rows per block of the contiguous layout (DeepGEMM's m-alignment on Hopper)
+FP8 = torch.float8_e4m3fn
+
+
+@dataclass
+class ContiguousLayout:
+    """The permuted activations and the indices that describe them (see the module docstring).
+
+    ``expert_start`` is int32 ``[E + 1]``: where each expert's padded segment starts, and the
+    total padded rows last. ``block_rows`` is int32 ``[M_sum / 128]``: rows holding data at the
+    start of each 128-row block (0 for blocks of pure padding). ``cursor`` is scratch; after
+    the permute it is ``expert_start[:-1]`` plus the rows placed. ``overflow`` is int32 ``[1]``,
+    non-zero when ``counts`` described fewer rows than ``topk_ids`` route to an expert (or more
+    rows than ``M_sum`` holds): such rows are dropped instead of written out of bounds.
+    """
+
+    a: torch.Tensor
+    a_scale: torch.Tensor
+    m_indices: torch.Tensor
+    inv_perm: torch.Tensor
+    block_rows: torch.Tensor
+    expert_start: torch.Tensor
+    cursor: torch.Tensor
+    overflow: torch.Tensor
+
+    @property
+    def num_rows(self) -> int:
+        return self.a.shape[0]
+
+
+def column_major_scale(num_rows: int, groups: int, *, device, storage: torch.Tensor | None = None) -> torch.Tensor:
+    """A ``[num_rows, groups]`` fp32 view over column-major storage ``[groups, round_up(num_rows, 4)]``."""
+    padded = (num_rows + 3) // 4 * 4
+    if storage is None:
+        storage = torch.empty(groups * padded, dtype=torch.float32, device=device)
+    return storage[: groups * padded].view(groups, padded)[:, :num_rows].t()
+
+
+def alloc_layout(num_rows: int, K: int, num_pairs: int, num_experts: int, *, device) -> ContiguousLayout:
+    """Fresh buffers for a layout of ``num_rows`` rows (experts carve theirs from workspaces)."""
+    i32 = dict(dtype=torch.int32, device=device)
+    return ContiguousLayout(
+        a=torch.empty(num_rows, K, dtype=FP8, device=device),
+        a_scale=column_major_scale(num_rows, math.ceil(K / ALIGN), device=device),
+        m_indices=torch.empty(num_rows, **i32),
+        inv_perm=torch.empty(num_pairs, **i32),
+        block_rows=torch.empty(num_rows // ALIGN, **i32),
+        expert_start=torch.empty(num_experts + 1, **i32),
+        cursor=torch.empty(num_experts, **i32),
+        overflow=torch.empty(1, **i32),
+    )
+
+
+@triton.jit
+def _expert_offsets_kernel(
+    # Pointers
+    counts_ptr, expert_start_ptr, cursor_ptr, overflow_ptr,
+    # Sizes
+    num_experts, num_rows,
+    # Meta-parameters
+    ALIGN_M: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    e = tl.arange(0, BLOCK_E)
+    mask = e < num_experts
+    c = tl.load(counts_ptr + e, mask=mask, other=0)
+    padded = (c + ALIGN_M - 1) // ALIGN_M * ALIGN_M
+    end = tl.cumsum(padded, 0)
+    start = end - padded
+    tl.store(expert_start_ptr + e, start, mask=mask)
+    tl.store(cursor_ptr + e, start, mask=mask)
+    total = tl.sum(padded, 0)
+    tl.store(expert_start_ptr + num_experts, total)
+    tl.store(overflow_ptr, (total > num_rows).to(tl.int32))
+
+
+@triton.jit
+def _scatter_rows_kernel(
+    # Pointers
+    a1q_ptr, a1q_scale_ptr, topk_ids_ptr, expert_map_ptr,
+    a_ptr, a_scale_ptr, inv_perm_ptr, expert_start_ptr, cursor_ptr, overflow_ptr,
+    # Sizes
+    K, G, topk, num_experts, num_global, num_rows,
+    stride_xm, stride_sm, stride_sg, stride_am, stride_asm, stride_asg,
+    # Meta-parameters
+    HAS_MAP: tl.constexpr, TOPK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
+):
+    m = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, TOPK)
+    jmask = j < topk
+    ids = tl.load(topk_ids_ptr + m * topk + j, mask=jmask, other=-1).to(tl.int32)
+    if HAS_MAP:
+        in_map = jmask & (ids >= 0) & (ids < num_global)
+        local = tl.load(expert_map_ptr + ids, mask=in_map, other=-1).to(tl.int32)
+    else:
+        local = ids
+    valid = jmask & (local >= 0) & (local < num_experts)
+    dest = tl.atomic_add(cursor_ptr + local, 1, mask=valid)
+    end = tl.load(expert_start_ptr + local + 1, mask=valid, other=0)
+    # Counts that undercount an expert would push rows into the next segment (or past the
+    # buffer): drop those rows and raise the flag rather than write out of bounds.
+    ok = valid & (dest < tl.minimum(end, num_rows))
+    tl.atomic_max(overflow_ptr, tl.max((valid & ~ok).to(tl.int32), 0))
+    tl.store(inv_perm_ptr + m * topk + j, tl.where(ok, dest, -1), mask=jmask)
+
+    dest64 = dest.to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = k0 + offs_k < K
+        x = tl.load(a1q_ptr + m * stride_xm + k0 + offs_k, mask=kmask)
+        dst = a_ptr + dest64[:, None] * stride_am + k0 + offs_k[None, :]
+        tl.store(dst, tl.broadcast_to(x[None, :], (TOPK, BLOCK_K)), mask=ok[:, None] & kmask[None, :])
+    g = tl.arange(0, BLOCK_G)
+    gmask = g < G
+    s = tl.load(a1q_scale_ptr + m * stride_sm + g * stride_sg, mask=gmask)
+    dst = a_scale_ptr + dest64[:, None] * stride_asm + g[None, :] * stride_asg
+    tl.store(dst, tl.broadcast_to(s[None, :], (TOPK, BLOCK_G)), mask=ok[:, None] & gmask[None, :])
+
+
+@triton.jit
+def _block_experts_kernel(
+    # Pointers
+    expert_start_ptr, cursor_ptr, m_indices_ptr, block_rows_ptr,
+    # Sizes
+    num_experts, num_rows,
+    # Meta-parameters
+    ALIGN_M: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    b = tl.program_id(0)
+    r0 = b * ALIGN_M
+    e = tl.arange(0, BLOCK_E)
+    ends = tl.load(expert_start_ptr + 1 + e, mask=e < num_experts, other=2147483647)
+    # The segment holding r0 belongs to the first expert whose segment ends after r0; blocks
+    # past the last segment take the last expert so that no block ever reads expert -1.
+    expert = tl.minimum(tl.sum((ends <= r0).to(tl.int32), 0), num_experts - 1)
+    end = tl.load(expert_start_ptr + expert + 1)
+    filled = tl.minimum(tl.minimum(tl.load(cursor_ptr + expert), end), num_rows)
+    rows = tl.minimum(tl.maximum(filled - r0, 0), ALIGN_M)
+    offs = tl.arange(0, ALIGN_M)
+    tl.store(m_indices_ptr + r0 + offs, tl.zeros((ALIGN_M,), tl.int32) + expert, mask=r0 + offs < num_rows)
+    tl.store(block_rows_ptr + b, rows)
+
+
+def permute_to_contiguous(
+    a1q: torch.Tensor,
+    a1q_scale: torch.Tensor,
+    topk_ids: torch.Tensor,
+    counts: torch.Tensor,
+    *,
+    num_rows: int,
+    expert_map: torch.Tensor | None = None,
+    out: ContiguousLayout | None = None,
+) -> ContiguousLayout:
+    """Scatter every local (token, slot) pair's row into DeepGEMM's contiguous layout.
+
+    In plain Python::
+
+        start = exclusive_cumsum(round_up(counts, 128))       # padded segment of each expert
+        cursor = start.copy()
+        for m, j in pairs:                                   # one program per token, in parallel
+            e = local(topk_ids[m, j])                        # -1: empty slot or other rank
+            if e < 0: inv_perm[m * topk + j] = -1; continue
+            row = cursor[e]; cursor[e] += 1                  # an atomic add on the GPU
+            a[row], a_scale[row] = a1q[m], a1q_scale[m]
+            inv_perm[m * topk + j] = row
+        for each 128-row block b: m_indices[b] = the expert whose segment holds it (last expert
+                                   for unused blocks), block_rows[b] = rows of data in it
+
+    Args:
+        a1q: fp8 ``[M, K]``. a1q_scale: fp32 ``[M, ceil(K/128)]`` group scales (any strides).
+        topk_ids: signed int ``[M, topk]`` global ids. expert_map: optional ``[E_global]``.
+        counts: int32 ``[E]`` pairs per local expert (``count_expert_num_tokens``). Counts
+            that are too large only add padding; too small ones set ``overflow`` (checked by
+            the caller, which knows where the counts came from).
+        num_rows: M_sum, rows of the layout; at least ``sum(round_up(counts, 128))``.
+        out: buffers to fill (see :func:`alloc_layout`); fresh ones when None.
+
+    Returns:
+        The filled :class:`ContiguousLayout`.
+    """
+    check_ids(topk_ids)
+    M, K = a1q.shape
+    topk = topk_ids.shape[1]
+    E = counts.numel()
+    if a1q.dtype != FP8 or a1q.stride(1) != 1:
+        raise InvalidInputError(f"a1q must be float8_e4m3fn [M, K] with unit column stride, got {a1q.dtype} {a1q.stride()}")
+    G = math.ceil(K / ALIGN)
+    if tuple(a1q_scale.shape) != (M, G) or a1q_scale.dtype != torch.float32:
+        raise InvalidInputError(f"a1q_scale must be float32 {(M, G)}, got {a1q_scale.dtype} {tuple(a1q_scale.shape)}")
+    if topk_ids.shape[0] != M or counts.dtype != torch.int32 or counts.dim() != 1 or E == 0:
+        raise InvalidInputError(
+            f"expected topk_ids [M={M}, topk] and int32 counts [E>0], got {tuple(topk_ids.shape)} and "
+            f"{counts.dtype} {tuple(counts.shape)}"
+        )
+    if num_rows % ALIGN:
+        raise InvalidInputError(f"num_rows must be a multiple of {ALIGN}, got {num_rows}")
+    layout = out if out is not None else alloc_layout(num_rows, K, M * topk, E, device=a1q.device)
+    if tuple(layout.a.shape) != (num_rows, K) or layout.inv_perm.numel() != M * topk or layout.cursor.numel() != E:
+        raise InvalidInputError(
+            f"layout buffers are a {tuple(layout.a.shape)}, inv_perm {layout.inv_perm.numel()}, cursor "
+            f"{layout.cursor.numel()}; expected {(num_rows, K)}, {M * topk}, {E}"
+        )
+    BLOCK_E = triton.next_power_of_2(E)
+    _expert_offsets_kernel[(1,)](
+        counts, layout.expert_start, layout.cursor, layout.overflow, E, num_rows, ALIGN_M=ALIGN, BLOCK_E=BLOCK_E
+    )
+    if M > 0:
+        emap = expert_map if expert_map is not None else topk_ids  # a dummy pointer when unused
+        _scatter_rows_kernel[(M,)](
+            a1q, a1q_scale, topk_ids, emap,
+            layout.a, layout.a_scale, layout.inv_perm, layout.expert_start, layout.cursor, layout.overflow,
+            K, G, topk, E, emap.numel() if expert_map is not None else E, num_rows,
+            a1q.stride(0), a1q_scale.stride(0), a1q_scale.stride(1),
+            layout.a.stride(0), layout.a_scale.stride(0), layout.a_scale.stride(1),
+            HAS_MAP=expert_map is not None, TOPK=triton.next_power_of_2(topk),
+            BLOCK_K=min(triton.next_power_of_2(K), 1024), BLOCK_G=triton.next_power_of_2(G),
+        )  # fmt: skip
+    if num_rows > 0:
+        _block_experts_kernel[(num_rows // ALIGN,)](
+            layout.expert_start, layout.cursor, layout.m_indices, layout.block_rows, E, num_rows,
+            ALIGN_M=ALIGN, BLOCK_E=BLOCK_E,
+        )  # fmt: skip
+    return layout
+
+
+@triton.jit
+def _gather_rows_kernel(
+    # Pointers
+    rows_ptr, inv_perm_ptr, out_ptr,
+    # Sizes
+    K, topk, stride_rm, stride_om, stride_oj,
+    # Meta-parameters
+    TOPK: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    m = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, TOPK)
+    jmask = j < topk
+    row = tl.load(inv_perm_ptr + m * topk + j, mask=jmask, other=-1).to(tl.int64)
+    has = row >= 0
+    offs_k = tl.arange(0, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = k0 + offs_k < K
+        x = tl.load(rows_ptr + row[:, None] * stride_rm + k0 + offs_k[None, :], mask=has[:, None] & kmask[None, :], other=0.0)
+        dst = out_ptr + m * stride_om + j[:, None] * stride_oj + k0 + offs_k[None, :]
+        tl.store(dst, x.to(out_ptr.dtype.element_ty), mask=jmask[:, None] & kmask[None, :])
+
+
+def unpermute_from_contiguous(rows: torch.Tensor, inv_perm: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+    """Gather the layout's rows back to ``out [M, topk, K]``; slots with no row get zeros.
+
+    In plain Python::
+
+        for m, j in pairs:
+            r = inv_perm[m * topk + j]
+            out[m, j] = rows[r] if r >= 0 else 0
+
+    Upstream (2025-07) computed the rows of non-local experts with expert 0's weights and
+    relied on their router weights being 0 at finalize; moekit writes zeros instead, as its
+    Triton experts do, so the result is right whatever those weights are.
+
+    Args:
+        rows: ``[M_sum, >=K]`` GEMM2 output (unit column stride). inv_perm: int32 ``[M * topk]``.
+        out: ``[M, topk, K]`` (unit last stride), written in place and returned.
+    """
+    if out.dim() != 3 or out.stride(2) != 1 or rows.dim() != 2 or rows.stride(1) != 1:
+        raise InvalidInputError(
+            f"expected rows [M_sum, K] and out [M, topk, K] with unit last strides, got "
+            f"{tuple(rows.shape)} {rows.stride()} and {tuple(out.shape)} {out.stride()}"
+        )
+    M, topk, K = out.shape
+    if inv_perm.numel() != M * topk or rows.shape[1] < K:
+        raise InvalidInputError(
+            f"inv_perm must have M*topk={M * topk} entries and rows >= {K} columns, got {inv_perm.numel()} "
+            f"and {rows.shape[1]}"
+        )
+    if M > 0:
+        _gather_rows_kernel[(M,)](
+            rows, inv_perm, out, K, topk, rows.stride(0), out.stride(0), out.stride(1),
+            TOPK=triton.next_power_of_2(topk), BLOCK_K=min(triton.next_power_of_2(K), 1024),
+        )  # fmt: skip
+    return out
+
+
+__all__ = [
+    "ALIGN",
+    "ContiguousLayout",
+    "alloc_layout",
+    "column_major_scale",
+    "permute_to_contiguous",
+    "unpermute_from_contiguous",
+]
