@@ -1,0 +1,127 @@
+"""moe_align_block_size against a plain-Python stable sort (exact, entry by entry)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moekit.errors import InvalidIdsError, InvalidInputError
+from moekit.kernels.align import TILE, max_padded_size, moe_align_block_size
+from moekit.testing import expect_raises
+
+
+def align_spec(topk_ids, block_m, E, expert_map=None, *, num_local=None, keep_empty=False):
+    """The docstring's algorithm, literally: (sorted_token_ids, expert_ids, post) as lists."""
+    num_local = E if num_local is None else num_local
+    ids = topk_ids.reshape(-1).tolist()
+    emap = expert_map.tolist() if expert_map is not None else None
+    numel = len(ids)
+    buckets = [[] for _ in range(E + 1)]
+    for i, g in enumerate(ids):
+        if not 0 <= g < E:
+            if keep_empty:
+                buckets[E].append(i)
+            continue
+        local = emap[g] if emap is not None else g
+        buckets[g if 0 <= local < num_local else E].append(i)
+    sorted_ids, experts = [], []
+    for b, pairs in enumerate(buckets):
+        pad = -len(pairs) % block_m
+        sorted_ids += pairs + [numel] * pad
+        local = -1 if b == E else (emap[b] if emap is not None else b)
+        experts += [local] * ((len(pairs) + pad) // block_m)
+    return sorted_ids, experts, len(sorted_ids)
+
+
+def check_against_spec(out, topk_ids, block_m, E, expert_map=None, **kw):
+    want_sorted, want_experts, post = align_spec(topk_ids, block_m, E, expert_map, **kw)
+    numel = topk_ids.numel()
+    assert out.num_tokens_post_padded.tolist() == [post]
+    assert out.sorted_token_ids.dtype == torch.int32 and out.expert_ids.dtype == torch.int32
+    assert out.sorted_token_ids.numel() == max_padded_size(numel, E + 1, block_m)
+    assert out.sorted_token_ids.numel() >= post
+    got_sorted = out.sorted_token_ids.tolist()
+    assert got_sorted[:post] == want_sorted
+    assert all(v == numel for v in got_sorted[post:])  # everything past the blocks is padding
+    got_experts = out.expert_ids.tolist()
+    assert got_experts[: post // block_m] == want_experts
+    assert all(v == -1 for v in got_experts[post // block_m :])
+
+
+@pytest.mark.parametrize("numel_shape", [(1, 1), (3, 2), (16, 8), (17, 8), (100, 3)])
+@pytest.mark.parametrize("block_m", [1, 4, 16, 64])
+@pytest.mark.parametrize("E", [1, 7, 16])
+def test_matches_spec(device, numel_shape, block_m, E):
+    topk_ids = torch.randint(-1, E, numel_shape, device=device, dtype=torch.int32)
+    out = moe_align_block_size(topk_ids, block_m, E)
+    check_against_spec(out, topk_ids, block_m, E)
+
+
+def test_docstring_example(device):
+    topk_ids = torch.tensor([[2, 0], [2, 3], [-1, 2]], device=device, dtype=torch.int32)
+    out = moe_align_block_size(topk_ids, 4, 4)
+    assert out.sorted_token_ids[:12].tolist() == [1, 6, 6, 6, 0, 2, 5, 6, 3, 6, 6, 6]
+    assert out.expert_ids[:3].tolist() == [0, 2, 3] and out.num_tokens_post_padded.item() == 12
+    emap = torch.tensor([-1, -1, 0, 1], device=device, dtype=torch.int32)
+    out = moe_align_block_size(topk_ids, 4, 4, emap, num_local_experts=2)
+    assert out.sorted_token_ids[:12].tolist() == [0, 2, 5, 6, 3, 6, 6, 6, 1, 6, 6, 6]
+    assert out.expert_ids[:3].tolist() == [0, 1, -1]
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("world, rank", [(2, 0), (2, 1), (4, 3)])
+@pytest.mark.parametrize("M", [5, 70])
+def test_expert_map_gives_minus_one_blocks(device, dtype, world, rank, M):
+    E, topk = 16, 4
+    E_local = E // world
+    emap = torch.full((E,), -1, dtype=dtype, device=device)
+    emap[rank * E_local : (rank + 1) * E_local] = torch.arange(E_local, dtype=dtype, device=device)
+    topk_ids = torch.randint(-1, E, (M, topk), device=device, dtype=dtype)
+    out = moe_align_block_size(topk_ids, 8, E, emap, num_local_experts=E_local)
+    check_against_spec(out, topk_ids, 8, E, emap, num_local=E_local)
+    post = out.num_tokens_post_padded.item()
+    experts = out.expert_ids[: post // 8]
+    assert ((experts >= -1) & (experts < E_local)).all()
+    # Every non-empty pair is placed once: locals in their expert's blocks, the rest in -1 blocks.
+    placed = out.sorted_token_ids[:post]
+    placed = placed[placed < topk_ids.numel()]
+    assert sorted(placed.tolist()) == [i for i, g in enumerate(topk_ids.reshape(-1).tolist()) if g >= 0]
+
+
+@pytest.mark.parametrize("numel_shape", [(5, 2), (60, 4)])
+def test_keep_empty_places_every_pair(device, numel_shape):
+    E = 6
+    topk_ids = torch.randint(-1, E + 2, numel_shape, device=device, dtype=torch.int64)  # ids >= E too
+    out = moe_align_block_size(topk_ids, 4, E, num_local_experts=4, keep_empty=True)
+    check_against_spec(out, topk_ids, 4, E, num_local=4, keep_empty=True)
+    post = out.num_tokens_post_padded.item()
+    placed = out.sorted_token_ids[:post]
+    assert sorted(placed[placed < topk_ids.numel()].tolist()) == list(range(topk_ids.numel()))
+
+
+def test_stable_order_across_many_tiles(device):
+    # Three tiles of ids, almost all to expert 1: its run must list pairs in increasing order.
+    topk_ids = torch.ones(3 * TILE + 5, 1, device=device, dtype=torch.int32)
+    topk_ids[::7] = 0
+    out = moe_align_block_size(topk_ids, 16, 2)
+    check_against_spec(out, topk_ids, 16, 2)
+    runs = [out.sorted_token_ids.clone() for _ in range(3)]
+    assert all(torch.equal(runs[0], r) for r in runs)
+
+
+def test_empty_input(device):
+    out = moe_align_block_size(torch.empty(0, 2, dtype=torch.int32, device=device), 16, 8)
+    assert out.num_tokens_post_padded.tolist() == [0]
+    assert out.sorted_token_ids.numel() == 0 and out.expert_ids.numel() == 0
+
+
+def test_errors(device):
+    ids = torch.zeros(2, 2, dtype=torch.int32, device=device)
+    with expect_raises(InvalidInputError, match="power of two"):
+        moe_align_block_size(ids, 12, 4)
+    with expect_raises(InvalidInputError, match="num_experts"):
+        moe_align_block_size(ids, 16, 0)
+    with expect_raises(InvalidInputError, match="expert_map must have"):
+        moe_align_block_size(ids, 16, 4, torch.zeros(3, dtype=torch.int32, device=device))
+    with expect_raises(InvalidIdsError, match="signed"):
+        moe_align_block_size(ids.to(torch.uint8), 16, 4)
