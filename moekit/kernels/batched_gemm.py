@@ -39,6 +39,7 @@ def _batched_gemm_kernel(
     # Meta-parameters
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8_SCALED: tl.constexpr, UPCAST_BF16: tl.constexpr, ZERO_PADDING: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     e = tl.program_id(0)
     pid_t = tl.program_id(1)
@@ -80,9 +81,9 @@ def _batched_gemm_kernel(
                           mask=row_ok, other=0.0)
             b_s = tl.load(b_scale_ptr + e * stride_bse + (offs_n // 128) * stride_bsn + kb * stride_bsk,
                           mask=col_ok, other=0.0)
-            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+            acc += tl.dot(a, b, input_precision=DOT_PRECISION) * a_s[:, None] * b_s[None, :]
         else:
-            acc += tl.dot(a, b)
+            acc += tl.dot(a, b, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
@@ -167,6 +168,9 @@ def batched_gemm(
         BLOCK_T=BLOCK_T, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
         FP8_SCALED=fp8, UPCAST_BF16=interpreting() and a.dtype == torch.bfloat16,
         ZERO_PADDING=bool(zero_padding),
+        # fp32 stays fp32 on the GPU (its default would round operands to tf32); the
+        # precision only matters for fp32 operands, "tf32" is the default for the others.
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
     )
     return out
 

@@ -223,3 +223,27 @@ def test_fp8_experts_reject_unquantized_activations(cls):
     call, _, _ = _direct_call(cls, [2, 1])
     with expect_raises(QuantizationError, match="fp8"):
         cls(quant=QuantScheme.FP8_BLOCK).apply(call)
+
+
+@MK_BATCHED_SLICE
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant", [QuantScheme.NONE, QuantScheme.FP8_BLOCK])
+def test_gpu_triton_matches_reference(quant):
+    M, K, N, E, topk = 200, 256, 512, 8, 2
+    hidden, w1, w2, weights, ids = _layer(M, K, N, E, topk, torch.bfloat16)
+    hidden, w1, w2, weights, ids = (t.cuda() for t in (hidden, w1, w2, weights, ids))
+    kernel = moekit.ModularKernel(BatchedPrepareFinalize(max_tokens=M), BatchedTritonExperts(quant=quant))
+    if quant is QuantScheme.NONE:
+        out = kernel(hidden, w1, w2, weights, ids)
+        expected = moe_reference(hidden, w1, w2, weights, ids)
+        assert_close(out, expected, dtype=torch.bfloat16)
+        return
+    q1, s1 = quantize_fp8_block(w1)
+    q2, s2 = quantize_fp8_block(w2)
+    out = kernel(hidden, q1, q2, weights, ids, w1_scale=s1, w2_scale=s2)
+    hq, hs = quantize_fp8_per_token_group(hidden)
+    expected = moe_reference(
+        dequantize_fp8_per_token_group(hq, hs), dequantize_fp8_block(q1, s1), dequantize_fp8_block(q2, s2),
+        weights, ids,
+    )
+    assert_close(out, expected, dtype=torch.float8_e4m3fn)

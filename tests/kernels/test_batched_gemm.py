@@ -131,7 +131,7 @@ def test_rejects_bad_operands():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_gpu_larger(dtype):
     E, T, K, N = 8, 256, 512, 384
     a, b = _operands(E, T, K, N, dtype, device="cuda")
@@ -140,3 +140,21 @@ def test_gpu_larger(dtype):
     c = torch.full((E, T, N), POISON, dtype=dtype, device="cuda")
     batched_gemm(a, b, counts, out=c)
     _check(c, a, b, counts, dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_block_and_zero_padding():
+    E, T, K, N = 4, 192, 512, 256
+    a = torch.randn(E * T, K, device="cuda")
+    b = torch.randn(E, N, K, device="cuda") / K**0.5
+    aq, a_s = quantize_fp8_per_token_group(a)
+    bq, b_s = quantize_fp8_block(b)
+    counts = torch.tensor([0, 1, 100, 192], dtype=torch.int32, device="cuda")
+    c = torch.full((E, T, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+    a_s3 = a_s.view(E, T, -1)
+    batched_gemm(aq.view(E, T, K), bq, counts, out=c, a_scale=a_s3, b_scale=b_s, zero_padding=True)
+    ad = dequantize_fp8_per_token_group(aq, a_s).view(E, T, K)
+    bd = dequantize_fp8_block(bq, b_s)
+    for e, n in enumerate(counts.tolist()):
+        assert_close(c[e, :n], ad[e, :n] @ bd[e].t(), dtype=torch.bfloat16)
+        assert (c[e, n:] == 0).all()
