@@ -149,8 +149,17 @@ class Target:
     us: float | None = None
     gemm_tflops: float | None = None
     max_non_gemm_fraction: float | None = None
-    peers: tuple[str, ...] = ()  # which peers it binds (empty: moekit's best)
+    peers: tuple[str, ...] = ()  # which peers it binds (empty: every moekit peer)
     note: str = ""
+
+    def describe(self) -> str:
+        parts = [f"<= {self.us:g} us"] if self.us is not None else []
+        if self.gemm_tflops is not None:
+            parts.append(f"GEMM >= {self.gemm_tflops:g} TF/s")
+        if self.max_non_gemm_fraction is not None:
+            parts.append(f"non-GEMM <= {self.max_non_gemm_fraction:.0%}")
+        who = f" [{', '.join(self.peers)}]" if self.peers else ""
+        return " and ".join(parts) + who + (f" ({self.note})" if self.note else "")
 
 
 TARGETS: dict[tuple[str, str, int], list[Target]] = {
@@ -160,8 +169,7 @@ TARGETS: dict[tuple[str, str, int], list[Target]] = {
     ("qwen3_30b_a3b", "bf16", 16384): [Target(us=2100.0)],
     ("deepseek_v3", "bf16", 16384): [Target(us=18000.0)],
     ("deepseek_v3", "fp8", 4096): [
-        Target(gemm_tflops=1150.0, max_non_gemm_fraction=0.25, peers=("deep_gemm",),
-               note="real deep_gemm: GEMM phases >= 1150 TF/s, the rest <= 25%"),
+        Target(gemm_tflops=1150.0, max_non_gemm_fraction=0.25, peers=("deep_gemm",), note="real deep_gemm"),
         Target(gemm_tflops=600.0, peers=("deep_gemm_triton",), note="Triton contiguous fallback"),
     ],
 }

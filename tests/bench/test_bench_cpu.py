@@ -125,3 +125,87 @@ def test_grouped_mm_peer_refuses_fp8_and_skips_politely():
     with pytest.raises(InvalidInputError, match="peer must be one of"):
         peers.make_peer("cublas", "bf16")
     assert peers.make_peer("deep_gemm", "bf16").skipped
+
+
+# ----------------------------------------------------------------------------------------------
+# Problem setup, the sampled oracle, and the subcommands' CPU behaviour.
+
+TINY = shapes.LayerShape("tiny", E=6, topk=2, K=256, I=128)
+
+
+def test_sample_rows_and_rel_error():
+    from moekit.bench.measure import rel_error, sample_rows
+
+    assert sample_rows(5, 8).tolist() == [0, 1, 2, 3, 4]
+    rows = sample_rows(1000, 16)
+    assert rows[0] == 0 and rows[-1] == 999 and len(rows) == 16
+    ref = torch.randn(4, 8)
+    assert rel_error(ref, ref) == 0.0
+    bad = ref.clone()
+    bad[0, 0] = float("nan")
+    assert not rel_error(bad, ref) <= 1.0  # NaN never passes
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_problem_and_blocked_reference(dtype):
+    from moekit.bench.problem import make_inputs, make_weights, reference_for
+    from moekit.quant import dequantize_fp8_block
+
+    weights = make_weights(TINY, dtype, seed=0, block=4, device="cpu")  # 4 does not divide E=6
+    x = make_inputs(TINY, 10, weights, router="uniform", seed=1, device="cpu")
+    assert x.w1.shape == (6, 256, 256) and x.w2.shape == (6, 256, 128)
+    rows = torch.tensor([0, 3, 9])
+    got = reference_for(x, rows, dtype)
+    w1, w2 = x.w1, x.w2
+    hidden = x.hidden[rows]
+    if dtype == "fp8":
+        assert x.w1.dtype == torch.float8_e4m3fn and x.w1_scale.shape == (6, 2, 2)
+        from moekit.quant import dequantize_fp8_per_token_group, quantize_fp8_per_token_group
+
+        w1, w2 = dequantize_fp8_block(w1, x.w1_scale), dequantize_fp8_block(w2, x.w2_scale)
+        hidden = dequantize_fp8_per_token_group(*quantize_fp8_per_token_group(hidden))
+    want = moe_reference(hidden, w1, w2, x.topk_weights[rows], x.topk_ids[rows])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert want.abs().mean() > 0.05  # 1/sqrt(fan_in) scaling keeps outputs O(1), not tiny
+
+
+def test_layer_dry_run_and_cpu_refusal(capsys):
+    from moekit.bench import layer
+
+    assert layer.main(["--shape", "deepseek_v3", "--M", "16384", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "14613.8" in out and "23200" in out and "<= 18000 us" in out
+    assert layer.main(["--M", "1"]) == 2  # no GPU here: a clear refusal, not a traceback
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        layer.parse(["--peers", "cublas"])
+
+
+def test_chunking_parse_and_declared_workspace():
+    from moekit.bench import chunking
+    from moekit.experts.base import Experts
+    from moekit.types import WorkspaceShapes
+
+    assert chunking.parse(["--C", "256", "None"]).C == [256, None]
+
+    class RowsExperts(Experts):  # declares M*topk rows of N and of K/2 (bf16)
+        def workspace_shapes(self, problem, *, act_dtype, tokens_meta=None):
+            rows = problem.M * problem.topk
+            out = (problem.M, problem.topk, problem.K)
+            return WorkspaceShapes((rows, problem.N), (rows, problem.N // 2), out, torch.bfloat16)
+
+        def apply(self, call):
+            raise NotImplementedError
+
+    table = chunking.declared_table(RowsExperts(), TINY, [64, None], [32, 128, 1024])
+    small, whole = table
+    per_row = (TINY.N + TINY.I) * 2 * TINY.topk  # bytes per token
+    assert small["M=32"] == 32 * per_row and small["M=128"] == small["M=1024"] == 64 * per_row
+    assert whole["M=1024"] == 1024 * per_row  # unchunked grows with M
+
+
+def test_chunking_dry_run_prints_plan(capsys):
+    from moekit.bench import chunking
+
+    assert chunking.main(["--dry-run", "--C", "1024", "None"]) == 0
+    assert "1.08" in capsys.readouterr().out
