@@ -1,0 +1,90 @@
+"""Which transformers experts modules moekit can run, and why not the others.
+
+moekit computes ``down_proj[e] @ (silu(g) * u)`` with ``[g; u] = gate_up_proj[e] @ x``: all gate
+rows, then all up rows, no biases. A transformers experts module qualifies when it has exactly
+that layout and math; these checks read what ``@use_experts_implementation`` records on the
+module (``has_gate``, ``has_bias``, ``is_concatenated``, ``is_transposed``), whether its class
+overrides the gating (``_apply_gate``), and what its ``act_fn`` computes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moekit.errors import UnsupportedModelError
+
+
+def check_model(model: torch.nn.Module) -> list[str]:
+    """Check every experts module of ``model`` now (rather than on first forward).
+
+    Returns the names of the MoE layers moekit will run; raises UnsupportedModelError naming
+    the first layer that it cannot run, and why.
+    """
+    names = [n for n, m in model.named_modules() if is_experts(m)]
+    if not names:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has no transformers experts module (a class decorated with "
+            "@use_experts_implementation); there is nothing for moekit to run"
+        )
+    modules = dict(model.named_modules())
+    for n in names:
+        check_module(modules[n], name=n)
+    return names
+
+
+def check_module(module: torch.nn.Module, *, name: str | None = None) -> None:
+    """Raise UnsupportedModelError unless ``module`` computes ``down(silu(gate) * up)`` exactly."""
+    act = getattr(module, "act_fn", None)
+    act_name = type(act).__name__ if isinstance(act, torch.nn.Module) else getattr(act, "__name__", repr(act))
+    gated = getattr(module, "has_gate", True) and hasattr(module, "gate_up_proj")
+    reasons = [] if gated else [f"its experts are not gated (up_proj, then {act_name}; no gate_up_proj)"]
+    if getattr(module, "has_bias", False) or any(n.endswith("_bias") for n, _ in module.named_parameters()):
+        reasons.append("its experts add biases to gate_up_proj/down_proj")
+    if not getattr(module, "is_concatenated", True):
+        reasons.append("its gate_up_proj interleaves gate and up rows (g0, u0, g1, u1, ...)")
+    if getattr(module, "is_transposed", False):
+        reasons.append("its weights are stored transposed (gate_up_proj [E, H, 2I])")
+    gate_fn = getattr(type(module), "_apply_gate", None)
+    if gate_fn is not None and gate_fn.__module__ != "transformers.integrations.moe":  # not the default
+        reasons.append(f"it has its own gating ({type(module).__name__}._apply_gate, e.g. a clamped SwiGLU)")
+    elif gated and not _is_silu(act):
+        reasons.append(f"its activation is {act_name}, not SiLU")
+    if not reasons:
+        reasons += _weight_problems(module.gate_up_proj, getattr(module, "down_proj", None))
+    if reasons:
+        where = f"{name} ({type(module).__name__})" if name else type(module).__name__
+        raise UnsupportedModelError(
+            f"{where} cannot run through moekit: " + "; ".join(reasons) + ". moekit computes "
+            "down_proj @ (silu(gate) * up) with gate_up_proj [E, 2I, H] = gate rows then up rows, "
+            "and no biases. Use experts_implementation='eager' or 'grouped_mm' for this model."
+        )
+
+
+def is_experts(module: torch.nn.Module) -> bool:
+    """True for a module whose class is decorated with ``@use_experts_implementation``."""
+    # What @use_experts_implementation sets on every experts module it wraps.
+    return all(hasattr(module, a) for a in ("has_gate", "has_bias", "is_transposed", "is_concatenated"))
+
+
+def _is_silu(act) -> bool:
+    if not callable(act):
+        return False
+    probe = torch.linspace(-8.0, 8.0, 65)
+    try:
+        with torch.no_grad():
+            got = act(probe)
+    except Exception:  # an activation with parameters on another device, or not elementwise
+        return False
+    return isinstance(got, torch.Tensor) and torch.allclose(got, torch.nn.functional.silu(probe), atol=1e-6)
+
+
+def _weight_problems(w1, w2) -> list[str]:
+    if not isinstance(w1, torch.Tensor) or not isinstance(w2, torch.Tensor):
+        return ["it has no gate_up_proj/down_proj tensors"]
+    if not all(w.dim() == 3 and w.is_floating_point() and w.element_size() >= 2 for w in (w1, w2)):
+        return [f"its weights are {w1.dtype} {tuple(w1.shape)} / {w2.dtype} {tuple(w2.shape)}, "
+                "expected unquantized 3-D float tensors"]
+    E, N, K = w1.shape
+    if N % 2 or tuple(w2.shape) != (E, K, N // 2):
+        return [f"gate_up_proj {tuple(w1.shape)}, down_proj {tuple(w2.shape)} are not [E, 2I, H], [E, H, I]"]
+    return []

@@ -1,0 +1,195 @@
+"""Run Hugging Face transformers MoE models through moekit's chunked modular kernel.
+
+transformers 5 keeps a MoE layer's experts as two stacked tensors, ``gate_up_proj [E, 2I, H]``
+(all gate rows, then all up rows) and ``down_proj [E, H, I]``: moekit's ``w1 [E, N, K]`` and
+``w2 [E, K, N/2]`` with K = H and N = 2I. Its experts classes dispatch their forward through
+``transformers.integrations.moe.ExpertsInterface``, so registering a function under a name is
+all it takes::
+
+    import moekit.integrations.transformers as moekit_hf
+    moekit_hf.register(chunk_size=16)
+    model = AutoModelForCausalLM.from_config(cfg, experts_implementation="moekit")
+    model(input_ids)
+    moekit_hf.traces(model)        # {"model.layers.0.mlp.experts": Trace, ...}
+
+Every experts module gets its own ``ModularKernel(NoEPPrepareFinalize(), experts, chunk_size=C)``
+on its first forward (all layers share one workspace pool per device), after a check that the
+module computes exactly ``down(silu(gate) * up)``: no biases, SiLU, gate rows before up rows, no
+custom gating. Anything else raises :class:`~moekit.errors.UnsupportedModelError`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from moekit.errors import InvalidInputError, OptionalDependencyError, UnsupportedModelError
+from moekit.experts.base import Experts
+from moekit.integrations.hf_checks import check_model, check_module
+
+__all__ = ["check_model", "check_module", "register", "traces"]
+
+NAME = "moekit"
+INSTALL_HINT = "pip install 'moekit[hf]'"
+_EXPERTS_BY_NAME = {"triton": ("moekit.experts.triton", "TritonExperts")}
+
+
+def _hf_moe():
+    """``transformers.integrations.moe``, or OptionalDependencyError naming the extra."""
+    try:
+        from transformers.integrations import moe
+    except ImportError as e:
+        raise OptionalDependencyError(
+            f"the transformers integration needs transformers>=5 (got: {e}); install it with {INSTALL_HINT}"
+        ) from e
+    if not hasattr(moe, "ExpertsInterface"):
+        raise OptionalDependencyError(f"transformers has no ExpertsInterface (need >=5); run {INSTALL_HINT}")
+    return moe
+
+
+@dataclass
+class Settings:
+    """What one registered name runs: an experts factory, a chunk size, kernel options."""
+
+    name: str
+    make_experts: Callable[[], Experts]
+    chunk_size: int | None
+    kernel_options: dict
+    pools: dict = field(default_factory=dict)  # device -> WorkspacePool, shared by all layers
+
+    def build_kernel(self, device: torch.device):
+        from moekit.modular_kernel import ModularKernel
+        from moekit.prepare_finalize import NoEPPrepareFinalize
+        from moekit.workspace import WorkspacePool
+
+        pool = self.pools.setdefault(device, WorkspacePool(device))
+        experts = _checked_experts(self.make_experts())
+        return ModularKernel(
+            NoEPPrepareFinalize(), experts, chunk_size=self.chunk_size, pool=pool, **self.kernel_options
+        )
+
+
+@dataclass
+class _Layer:
+    settings: Settings
+    device: torch.device
+    kernel: object  # ModularKernel
+
+
+def register(
+    *,
+    experts: str | Experts | Callable[[], Experts] = "triton",
+    chunk_size: int | None = None,
+    name: str = NAME,
+    **kernel_options,
+) -> str:
+    """Register ``name`` in transformers' ExpertsInterface; return ``name``.
+
+    Afterwards ``from_config(cfg, experts_implementation=name)`` (or ``from_pretrained``, or
+    ``model.set_experts_implementation(name)``) runs every MoE layer through moekit.
+    Registering the same name again replaces its settings; layers rebuild their kernel on their
+    next forward.
+
+    Args:
+        experts: ``"triton"`` (:class:`~moekit.experts.TritonExperts`), an :class:`Experts`
+            instance (shared by all layers), or a zero-argument factory called once per layer.
+        chunk_size: tokens per chunk, or None for one chunk per forward.
+        name: the implementation name; register several (``"moekit-c16"``) to compare settings.
+        **kernel_options: passed to :class:`~moekit.ModularKernel` (``trace_counts``,
+            ``workspace_policy``, ``metadata_policy``, ``guard``).
+
+    Raises:
+        OptionalDependencyError: transformers is not installed (``pip install 'moekit[hf]'``).
+        InvalidInputError, ChunkSizeError: bad ``experts``, ``chunk_size`` or options.
+    """
+    moe = _hf_moe()
+    taken = moe.ALL_EXPERTS_FUNCTIONS.get(name) if isinstance(name, str) else None
+    if not isinstance(name, str) or not name or name == "eager" or (taken and not hasattr(taken, "_moekit")):
+        raise InvalidInputError(
+            f"name must be a new experts implementation name (not one of transformers' "
+            f"{['eager', *moe.ALL_EXPERTS_FUNCTIONS]}), got {name!r}"
+        )
+    settings = Settings(name, _experts_factory(experts), chunk_size, dict(kernel_options))
+    settings.build_kernel(torch.device("cpu"))  # validates experts, chunk size and options now
+    settings.pools.clear()
+
+    def forward(module, hidden_states, top_k_index, top_k_weights):
+        return _forward(settings, module, hidden_states, top_k_index, top_k_weights)
+
+    def refuse_fp8(module, *args, **kwargs):
+        raise UnsupportedModelError(
+            f"{type(module).__name__} holds fp8-quantized experts (FineGrainedFP8); the moekit "
+            "integration runs unquantized bf16/fp16/fp32 weights. Load the checkpoint dequantized "
+            "or pick another experts_implementation."
+        )
+
+    forward._moekit = refuse_fp8._moekit = settings
+    moe.ExpertsInterface.register(name, forward)
+    try:
+        from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
+
+        FP8ExpertsInterface.register(name, refuse_fp8)
+    except ImportError:  # older transformers: no fp8 experts to refuse
+        pass
+    return name
+
+
+def traces(model: torch.nn.Module) -> dict:
+    """``{layer name: Trace}`` of the last moekit forward of every MoE layer of ``model``.
+
+    Layers that have not run through moekit yet are left out.
+    """
+    out = {}
+    for layer_name, module in model.named_modules():
+        layer = module.__dict__.get("_moekit")
+        if layer is not None and layer.kernel.last_trace is not None:
+            out[layer_name] = layer.kernel.last_trace
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+def _forward(settings: Settings, module, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+    layer = module.__dict__.get("_moekit")
+    if layer is None or layer.settings is not settings or layer.device != hidden_states.device:
+        check_module(module)
+        device = hidden_states.device
+        layer = _Layer(settings, device, settings.build_kernel(device))
+        module.__dict__["_moekit"] = layer  # not a submodule or buffer: stays out of state_dict
+    w1, w2 = module.gate_up_proj, module.down_proj
+    if torch.is_grad_enabled() and (w1.requires_grad or hidden_states.requires_grad):
+        warnings.warn(
+            "moekit's experts are inference-only: no gradient flows through them. Run the model "
+            "under torch.no_grad() or torch.inference_mode().",
+            stacklevel=3,
+        )
+    # transformers marks empty slots (experts on other ranks) with id E; moekit uses -1.
+    ids = torch.where(top_k_index < w1.shape[0], top_k_index, -1).contiguous()
+    with torch.no_grad():
+        out = layer.kernel(hidden_states.to(w1.dtype).contiguous(), w1, w2, top_k_weights.contiguous(), ids)
+    return out.to(hidden_states.dtype)
+
+
+def _experts_factory(experts) -> Callable[[], Experts]:
+    if isinstance(experts, str):
+        if experts not in _EXPERTS_BY_NAME:
+            raise InvalidInputError(f"experts must be one of {sorted(_EXPERTS_BY_NAME)}, got {experts!r}")
+        import importlib
+
+        module, cls = _EXPERTS_BY_NAME[experts]
+        return getattr(importlib.import_module(module), cls)
+    if isinstance(experts, Experts):
+        return lambda: experts
+    if callable(experts):
+        return experts
+    raise InvalidInputError(
+        f"experts must be a name, an Experts instance or a factory, got {type(experts).__name__}"
+    )
+
+
+def _checked_experts(experts) -> Experts:
+    if not isinstance(experts, Experts):
+        raise InvalidInputError(f"the experts factory must return an Experts, got {type(experts).__name__}")
+    return experts
