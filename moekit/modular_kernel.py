@@ -227,7 +227,7 @@ class ModularKernel:
             if once is not None and self.guard and own != once:
                 raise WorkspaceShapeError(_once_mismatch(experts, r, once, own, sub))
             views = pool.take(shapes)
-            out_slice = slice_rows(fused_out, r, problem.M)
+            out_slice = fused_out if single else slice_rows(fused_out, r, problem.M)
             if (once is None or self.guard) and tuple(out_slice.shape) != own.output:
                 raise WorkspaceShapeError(
                     f"{experts.name} declared output {own.output} for chunk {r.index} (tokens "

@@ -11,6 +11,8 @@ Contract of ``apply``:
   upstream before PR #20392).
 - ``call.output`` has exactly the declared output shape; ``apply`` writes every element of it
   (rows of non-local experts get zeros) and writes the result unweighted and unreduced.
+  Batched-format experts are the exception: rows past ``expert_num_tokens[e]`` are padding
+  that finalize never reads, and may stay unwritten.
 - ``apply`` returns the name of the backend that actually ran (for the trace).
 """
 

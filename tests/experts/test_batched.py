@@ -11,7 +11,6 @@ from moekit.errors import (
     InvalidInputError,
     QuantizationError,
     StaleMetadataError,
-    WorkspaceShapeError,
 )
 from moekit.experts.base import Experts
 from moekit.experts.batched import BatchedTritonExperts, NaiveBatchedExperts
@@ -39,14 +38,6 @@ from moekit.types import (
 CLASSES = [NaiveBatchedExperts, BatchedTritonExperts]
 POISON = -12345.0
 
-# ModularKernel slices its whole-batch output by token rows even for the batched format, whose
-# dim 0 is E_local, not M; a single-chunk call should get the whole output. Until that lands
-# these tests fail with exactly this error; any other failure still fails them.
-MK_BATCHED_SLICE = pytest.mark.xfail(
-    raises=WorkspaceShapeError, strict=False, reason="ModularKernel slices the batched output by M"
-)
-
-
 def _layer(M, K, N, E, topk, dtype, *, seed=0):
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(M, K, generator=g).to(dtype)
@@ -56,7 +47,6 @@ def _layer(M, K, N, E, topk, dtype, *, seed=0):
     return hidden, w1, w2, weights, ids
 
 
-@MK_BATCHED_SLICE
 @pytest.mark.parametrize("cls", CLASSES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("M, K, N, E, topk", [(12, 64, 96, 4, 2), (9, 40, 34, 5, 1)])
@@ -69,7 +59,6 @@ def test_matches_reference(cls, dtype, M, K, N, E, topk):
     assert_close(out, moe_reference(hidden, w1, w2, weights, ids), dtype=dtype)
 
 
-@MK_BATCHED_SLICE
 @pytest.mark.parametrize("cls", CLASSES)
 def test_expert_parallel_two_ranks_sum_to_reference(cls):
     """Each rank holds 3 of 6 experts (interleaved); the ranks' outputs add up to the layer."""
@@ -88,7 +77,6 @@ def test_expert_parallel_two_ranks_sum_to_reference(cls):
     assert_close(total, moe_reference(hidden, w1, w2, weights, ids), dtype=torch.float32)
 
 
-@MK_BATCHED_SLICE
 @pytest.mark.parametrize("cls", CLASSES)
 def test_fp8_block(cls):
     M, K, N, E = 8, 256, 256, 3
@@ -121,7 +109,6 @@ class _RecordingPF(BatchedPrepareFinalize):
         return self.prepared
 
 
-@MK_BATCHED_SLICE
 def test_chunk_size_is_ignored():
     M, K, N, E = 12, 32, 32, 4
     hidden, w1, w2, weights, ids = _layer(M, K, N, E, 2, torch.float32)
@@ -225,7 +212,6 @@ def test_fp8_experts_reject_unquantized_activations(cls):
         cls(quant=QuantScheme.FP8_BLOCK).apply(call)
 
 
-@MK_BATCHED_SLICE
 @pytest.mark.gpu
 @pytest.mark.parametrize("quant", [QuantScheme.NONE, QuantScheme.FP8_BLOCK])
 def test_gpu_triton_matches_reference(quant):
