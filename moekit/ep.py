@@ -77,6 +77,7 @@ class RankResult:
     counts: torch.Tensor  # int64 [num_chunks, E_local]: tokens per (chunk, local expert)
     backends: list[str]
     tokens_meta: list[int]  # what prepare returned: rows received per local expert
+    received_from: list[int] = field(default_factory=list)  # rows received from each source rank
     error: str | None = None
     all_counts: list[torch.Tensor] = field(default_factory=list)  # every rank's counts, on rank 0
 
@@ -98,13 +99,19 @@ def global_problem(config: EPConfig) -> dict:
     return p
 
 
-def reference_output(config: EPConfig, p: dict, start: int, end: int) -> torch.Tensor:
-    """fp32 reference for tokens ``[start, end)`` over all E experts (fp8: on dequantized inputs)."""
-    hidden, w1, w2 = p["hidden"][start:end], p["w1"], p["w2"]
+def reference_output(config: EPConfig, p: dict, start: int, end: int, *, device=None) -> torch.Tensor:
+    """fp32 reference (on the CPU) for tokens ``[start, end)`` over all E experts.
+
+    fp8 runs are compared on dequantized weights and quantized-then-dequantized activations.
+    ``device`` only says where to compute it (a GPU is much faster at benchmark sizes).
+    """
+    on = (lambda t: t.to(device)) if device is not None else (lambda t: t)
+    hidden, w1, w2 = on(p["hidden"][start:end]), on(p["w1"]), on(p["w2"])
     if config.scheme is QuantScheme.FP8_BLOCK:
         hidden = dequantize_fp8_per_token_group(*quantize_acts(hidden))
-        w1, w2 = dequantize_fp8_block(w1, p["w1_scale"]), dequantize_fp8_block(w2, p["w2_scale"])
-    return moe_reference(hidden, w1, w2, p["topk_weights"][start:end], p["topk_ids"][start:end])
+        w1, w2 = dequantize_fp8_block(w1, on(p["w1_scale"])), dequantize_fp8_block(w2, on(p["w2_scale"]))
+    ids, weights = on(p["topk_ids"][start:end]), on(p["topk_weights"][start:end])
+    return moe_reference(hidden, w1, w2, weights, ids).cpu()
 
 
 def run_rank(rank: int, world_size: int, config: EPConfig, *, gather: bool = True) -> RankResult:
@@ -144,7 +151,7 @@ def run_rank(rank: int, world_size: int, config: EPConfig, *, gather: bool = Tru
     except MoekitError as e:
         error = f"{type(e).__name__}: {e}"
     trace = kernel.last_trace
-    ref = reference_output(config, p, start, end)
+    ref = reference_output(config, p, start, end, device=device)
     err, close = float("nan"), False
     if out is not None:
         err = float((out.float().cpu() - ref).abs().max()) if out.numel() else 0.0
@@ -159,6 +166,7 @@ def run_rank(rank: int, world_size: int, config: EPConfig, *, gather: bool = Tru
     result = RankResult(rank, end - start, sum(handle.recv_splits), out, ref, err, close, counts,
                         trace.backends, handle.recv_counts.sum(0).tolist())
     result.error = error
+    result.received_from = list(handle.recv_splits)
     if error is None and gather and world_size > 1:
         gathered = gather_traces(trace)
         result.all_counts = gathered if rank == 0 else []
@@ -177,7 +185,8 @@ def format_results(results: list[RankResult]) -> str:
     lines = []
     for r in results:
         status = r.error or f"max |err| {r.max_abs_err:.3g} ({'ok' if r.close else 'MISMATCH'})"
-        lines.append(f"rank {r.rank}: M={r.M} tokens, received {r.received} (token, slot) rows; {status}")
+        lines.append(f"rank {r.rank}: M={r.M} tokens, received {r.received} (token, slot) rows "
+                     f"(from each rank: {r.received_from}); {status}")
         for i, row in enumerate(r.counts.tolist()):
             lines.append(f"  chunk {i} [{r.backends[i] if i < len(r.backends) else '?'}]: {row}")
     return "\n".join(lines)
@@ -236,7 +245,7 @@ def main(argv=None) -> int:
 
 def _summary(r: RankResult) -> RankResult:
     return RankResult(r.rank, r.M, r.received, None, r.reference[:0], r.max_abs_err, r.close, r.counts,
-                      r.backends, r.tokens_meta, r.error)
+                      r.backends, r.tokens_meta, r.received_from, r.error)
 
 
 if __name__ == "__main__":

@@ -81,6 +81,7 @@ class All2AllPrepareFinalize(PrepareFinalize):
         self.group = group
         self.timeout_s = timeout_s
         self.last_handle: DispatchHandle | None = None  # the latest prepare's, for inspection
+        self._map_checked: tuple | None = None
 
     def __repr__(self) -> str:
         return f"All2AllPrepareFinalize(timeout_s={self.timeout_s})"
@@ -108,12 +109,17 @@ class All2AllPrepareFinalize(PrepareFinalize):
                     f"expert_map=moekit.routing.contiguous_expert_map({E}, {world}, {rank})"
                 )
             return
+        emap = placement.expert_map
+        seen = (emap.data_ptr(), emap._version, emap.numel(), rank, world)
+        if seen == self._map_checked:  # comparing is a host sync on a GPU: once per map
+            return
         want = contiguous_expert_map(E, world, rank, device=device)
-        if not torch.equal(placement.expert_map.to(want.dtype), want):
+        if not torch.equal(emap.to(want.dtype), want):
             raise InvalidInputError(
                 f"rank {rank} must own the contiguous experts [{rank * E_local}, {(rank + 1) * E_local}); "
                 f"its expert_map does not say so (use contiguous_expert_map({E}, {world}, {rank}))"
             )
+        self._map_checked = seen
 
     def _exchange(self, out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, what: str):
         work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=True)
@@ -149,21 +155,26 @@ class All2AllPrepareFinalize(PrepareFinalize):
         M, topk = topk_ids.shape
         K = hidden.shape[1]
 
+        # Sort keys: the global id, E for an empty slot (-1), E + 1 for an invalid id; sorting
+        # groups the pairs by owner rank, then by expert, with the unsent ones last.
         flat = topk_ids.reshape(-1).long()  # [M * topk]
-        if flat.numel() and int(flat.max()) >= E:
-            raise InvalidIdsError(f"topk_ids must be < E_global={E} (or -1), got max {int(flat.max())}")
-        valid = torch.nonzero(flat >= 0).flatten()
-        gid = flat[valid]
-        order = torch.argsort(gid, stable=True)  # by owner rank, then by expert: sends are contiguous
-        pairs, gid = valid[order], gid[order]  # [S]
-        token = pairs // topk
-
-        counts = torch.bincount(gid, minlength=E)  # int64 [W * E_local]
-        recv_counts = torch.empty_like(counts)
-        self._wait(self._exchange(recv_counts, counts, None, None, "the split sizes"))
-        both = torch.stack([counts, recv_counts]).view(2, world, E_local).cpu()  # the one host sync
-        send_splits, recv_splits = both[0].sum(1).tolist(), both[1].sum(1).tolist()
+        key = torch.where(flat < 0, E, torch.where(flat >= E, E + 1, flat))
+        order = torch.argsort(key, stable=True)
+        hist = torch.zeros(E + 2, dtype=torch.int64, device=device).scatter_add_(0, key, torch.ones_like(key))
+        # Per destination: pairs for each of its experts, plus this rank's invalid-id count, so
+        # that a bad id on one rank makes every rank raise instead of leaving the others waiting.
+        send = torch.cat([hist[:E].view(world, E_local), hist[E + 1 :].expand(world, 1)], dim=1)
+        recv = torch.empty_like(send)
+        self._wait(self._exchange(recv.view(-1), send.view(-1), None, None, "the split sizes"))
+        both = torch.stack([send, recv]).cpu()  # [2, W, E_local + 1]: the one host sync
+        bad = both[1, :, E_local].nonzero().flatten().tolist()
+        if bad:
+            raise InvalidIdsError(f"topk_ids must be in [0, E_global={E}) or -1; rank(s) {bad} passed larger")
+        counts = both[:, :, :E_local]  # [2, W, E_local]: sent to / received from each rank, per expert
+        send_splits, recv_splits = counts[0].sum(1).tolist(), counts[1].sum(1).tolist()
         R = sum(recv_splits)
+        pairs = order[: sum(send_splits)]  # [S] flat (token, slot) indices, in sending order
+        gid, token = flat[pairs], pairs // topk
 
         a1q, a1q_scale = quantize_activations(hidden, quant)
         wire = a1q.view(torch.uint8) if a1q.dtype == torch.float8_e4m3fn else a1q  # fp8 travels as bytes
@@ -180,9 +191,9 @@ class All2AllPrepareFinalize(PrepareFinalize):
             pending.append(self._exchange(scales, sent, recv_splits, send_splits, "scales"))
         self._wait(*pending)
 
-        per_expert = both[1].sum(0).to(torch.int32)  # [E_local], CPU
+        per_expert = counts[1].sum(0).to(torch.int32)  # [E_local], CPU
         meta = ExpertTokensMetadata(per_expert.to(device), per_expert)
-        handle = DispatchHandle(send_splits, recv_splits, pairs, topk_weights, M, topk, both[1])
+        handle = DispatchHandle(send_splits, recv_splits, pairs, topk_weights, M, topk, counts[1])
         self.last_handle = handle
         return Prepared(
             a1q=rows.view(a1q.dtype),
