@@ -18,7 +18,8 @@ def check_ids(topk_ids: torch.Tensor, *, name: str = "topk_ids", rank: int | Non
     if not isinstance(topk_ids, torch.Tensor):
         raise InvalidIdsError(f"{name} must be a torch.Tensor, got {type(topk_ids).__name__}")
     if topk_ids.dtype not in _SIGNED_INT:
-        kind = "unsigned" if topk_ids.dtype in (torch.uint8, torch.uint16, torch.uint32, torch.uint64) else "non-integer"
+        unsigned = (torch.uint8, torch.uint16, torch.uint32, torch.uint64)
+        kind = "unsigned" if topk_ids.dtype in unsigned else "non-integer"
         raise InvalidIdsError(
             f"{name} must be a signed integer tensor (int32 or int64; -1 marks an empty slot), "
             f"got {kind} {topk_ids.dtype}"

@@ -19,7 +19,7 @@ from moekit.errors import (
 from moekit.experts.base import Experts, view_workspace
 from moekit.modular_kernel import ModularKernel
 from moekit.prepare_finalize import NoEPPrepareFinalize
-from moekit.reference import count_reference, local_expert_ids, moe_reference, silu_and_mul
+from moekit.reference import count_reference, local_expert_ids, moe_reference
 from moekit.testing import assert_close
 from moekit.types import ActivationFormat, WorkspaceShapes
 from moekit.workspace import WorkspacePool
