@@ -27,6 +27,16 @@ import torch
 GEMM_KERNEL = re.compile(r"gemm|fused_moe|matmul|cutlass|nvjet|xmma|wgmma|grouped_mm", re.IGNORECASE)
 
 
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def empty_cache() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def sample_rows(M: int, count: int = 256) -> torch.Tensor:
     """Up to ``count`` distinct row indices spread over ``[0, M)``, first and last included."""
     if M <= count:

@@ -209,3 +209,79 @@ def test_chunking_dry_run_prints_plan(capsys):
 
     assert chunking.main(["--dry-run", "--C", "1024", "None"]) == 0
     assert "1.08" in capsys.readouterr().out
+
+
+def _fake_timers(monkeypatch):
+    """Replace the GPU-only timers so the whole orchestration runs on the CPU."""
+    from moekit.bench import common, measure
+
+    def graph(calls, **kw):
+        for c in calls:
+            c()
+        return 5.0
+
+    monkeypatch.setattr(common, "gpu_or_reason", lambda: None)
+    monkeypatch.setattr(measure, "eager_us", lambda fn, **kw: (fn(), 10.0)[1])
+    monkeypatch.setattr(measure, "graph_us", graph)
+    monkeypatch.setattr(measure, "host_syncs", lambda fn, **kw: ["moekit/x.py:1: y.item()"])
+    monkeypatch.setattr(measure, "peak_bytes", lambda fn, **kw: (fn(), 3 * 2**20)[1])
+    monkeypatch.setattr(measure, "kernel_phases", lambda fn, **kw: measure.Phases(6.0, 2.0, []))
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no torch._grouped_mm")
+def test_layer_orchestration_on_cpu(monkeypatch, tmp_path, capsys):
+    """The path the GPU run takes (check, time, annotate, JSON, summary), with fake timers."""
+    import importlib.util
+    import json
+
+    from moekit.bench import layer
+
+    monkeypatch.setitem(shapes.SHAPES, "tiny", TINY)
+    monkeypatch.setattr(layer, "DEVICE", "cpu")
+    _fake_timers(monkeypatch)
+    path = tmp_path / "layer-tiny.json"
+    argv = ["--shape", "tiny", "--M", "3", "40", "--graph-max-M", "8", "--rotate", "2", "--phases",
+            "--peers", "grouped_mm,deep_gemm", "--json", str(path)]
+    assert layer.main(argv) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert [(r["M"], r["peer"]) for r in rows] == [(3, "grouped_mm"), (3, "deep_gemm"), (40, "grouped_mm"),
+                                                   (40, "deep_gemm")]
+    small, skipped, large = rows[0], rows[1], rows[2]
+    assert small["status"] == "ok" and small["mode"] == "graph x2" and small["us"] == 5.0
+    assert small["rel_err"] < 0.02 and small["host_syncs"]
+    assert large["mode"] == "eager" and large["us"] == 10.0 and large["gemm_tflops"] > 0
+    assert skipped["status"].startswith("skipped") and "us" not in skipped
+    assert small["floor_us"] > 0 and large["floor_fraction"] == pytest.approx(large["floor_us"] / 10.0)
+
+    root = __import__("pathlib").Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("bench_summary", root / "scripts" / "bench_summary.py")
+    summary = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summary)
+    capsys.readouterr()
+    assert summary.main(str(tmp_path)) == 0
+    out = capsys.readouterr().out
+    assert "grouped_mm" in out and "host sync: moekit/x.py" in out and "skipped" in out
+
+
+def test_chunking_orchestration_on_cpu(monkeypatch, tmp_path):
+    """Chunked and unchunked TritonExperts (interpreter) agree; workspace shrinks with C."""
+    import json
+
+    from moekit.bench import chunking, measure
+
+    pytest.importorskip("moekit.experts.triton")
+    monkeypatch.setitem(shapes.SHAPES, "tiny", TINY)
+    monkeypatch.setattr(chunking, "DEVICE", "cpu")
+    _fake_timers(monkeypatch)
+    monkeypatch.setattr(measure, "peak_bytes", lambda fn, release, **kw: (release(), fn(), 1)[2])
+    path = tmp_path / "chunking.json"
+    argv = ["--shape", "tiny", "--M", "40", "--C", "16", "None", "--ws-M", "16", "256", "--json", str(path)]
+    assert chunking.main(argv) == 0
+    record = json.loads(path.read_text())
+    whole, chunked = record["rows"]
+    assert (whole["C"], whole["chunks"], chunked["C"], chunked["chunks"]) == (None, 1, 16, 3)
+    assert whole["status"] == chunked["status"] == "ok" and chunked["rel_diff_vs_unchunked"] < 1e-2
+    assert chunked["peak_workspace_bytes"] < whole["peak_workspace_bytes"]
+    assert chunked["pool_grows"] == 1
+    declared = {r["C"]: r for r in record["declared_workspace_bytes"]}
+    assert declared[16]["M=16"] == declared[16]["M=256"] < declared[None]["M=256"]
