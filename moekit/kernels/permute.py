@@ -34,6 +34,8 @@ from moekit.errors import InvalidInputError
 from moekit.validate import check_ids
 
 ALIGN = 128  # rows per block of the contiguous layout (DeepGEMM's m-alignment on Hopper)
+OVERFLOW = 1  # ContiguousLayout.flags bits
+MISMATCH = 2
 FP8 = torch.float8_e4m3fn
 
 
@@ -44,9 +46,10 @@ class ContiguousLayout:
     ``expert_start`` is int32 ``[E + 1]``: where each expert's padded segment starts, and the
     total padded rows last. ``block_rows`` is int32 ``[M_sum / 128]``: rows holding data at the
     start of each 128-row block (0 for blocks of pure padding). ``cursor`` is scratch; after
-    the permute it is ``expert_start[:-1]`` plus the rows placed. ``overflow`` is int32 ``[1]``,
-    non-zero when ``counts`` described fewer rows than ``topk_ids`` route to an expert (or more
-    rows than ``M_sum`` holds): such rows are dropped instead of written out of bounds.
+    the permute it is ``expert_start[:-1]`` plus the pairs routed to each expert. ``flags`` is
+    int32 ``[1]``: bit :data:`OVERFLOW` when ``counts`` undercount an expert or need more rows
+    than M_sum (the rows that do not fit are dropped, never written out of bounds), bit
+    :data:`MISMATCH` when ``counts`` differ at all from the pairs ``topk_ids`` route.
     """
 
     a: torch.Tensor
@@ -56,7 +59,7 @@ class ContiguousLayout:
     block_rows: torch.Tensor
     expert_start: torch.Tensor
     cursor: torch.Tensor
-    overflow: torch.Tensor
+    flags: torch.Tensor
 
     @property
     def num_rows(self) -> int:
@@ -82,14 +85,14 @@ def alloc_layout(num_rows: int, K: int, num_pairs: int, num_experts: int, *, dev
         block_rows=torch.empty(num_rows // ALIGN, **i32),
         expert_start=torch.empty(num_experts + 1, **i32),
         cursor=torch.empty(num_experts, **i32),
-        overflow=torch.empty(1, **i32),
+        flags=torch.empty(1, **i32),
     )
 
 
 @triton.jit
 def _expert_offsets_kernel(
     # Pointers
-    counts_ptr, expert_start_ptr, cursor_ptr, overflow_ptr,
+    counts_ptr, expert_start_ptr, cursor_ptr, flags_ptr,
     # Sizes
     num_experts, num_rows,
     # Meta-parameters
@@ -105,14 +108,14 @@ def _expert_offsets_kernel(
     tl.store(cursor_ptr + e, start, mask=mask)
     total = tl.sum(padded, 0)
     tl.store(expert_start_ptr + num_experts, total)
-    tl.store(overflow_ptr, (total > num_rows).to(tl.int32))
+    tl.store(flags_ptr, (total > num_rows).to(tl.int32))  # OVERFLOW
 
 
 @triton.jit
 def _scatter_rows_kernel(
     # Pointers
     a1q_ptr, a1q_scale_ptr, topk_ids_ptr, expert_map_ptr,
-    a_ptr, a_scale_ptr, inv_perm_ptr, expert_start_ptr, cursor_ptr, overflow_ptr,
+    a_ptr, a_scale_ptr, inv_perm_ptr, expert_start_ptr, cursor_ptr, flags_ptr,
     # Sizes
     K, G, topk, num_experts, num_global, num_rows,
     stride_xm, stride_sm, stride_sg, stride_am, stride_asm, stride_asg,
@@ -134,7 +137,7 @@ def _scatter_rows_kernel(
     # Counts that undercount an expert would push rows into the next segment (or past the
     # buffer): drop those rows and raise the flag rather than write out of bounds.
     ok = valid & (dest < tl.minimum(end, num_rows))
-    tl.atomic_max(overflow_ptr, tl.max((valid & ~ok).to(tl.int32), 0))
+    tl.atomic_or(flags_ptr, tl.max((valid & ~ok).to(tl.int32), 0))  # OVERFLOW
     tl.store(inv_perm_ptr + m * topk + j, tl.where(ok, dest, -1), mask=jmask)
 
     dest64 = dest.to(tl.int64)
@@ -154,7 +157,7 @@ def _scatter_rows_kernel(
 @triton.jit
 def _block_experts_kernel(
     # Pointers
-    expert_start_ptr, cursor_ptr, m_indices_ptr, block_rows_ptr,
+    counts_ptr, expert_start_ptr, cursor_ptr, m_indices_ptr, block_rows_ptr, flags_ptr,
     # Sizes
     num_experts, num_rows,
     # Meta-parameters
@@ -173,6 +176,12 @@ def _block_experts_kernel(
     offs = tl.arange(0, ALIGN_M)
     tl.store(m_indices_ptr + r0 + offs, tl.zeros((ALIGN_M,), tl.int32) + expert, mask=r0 + offs < num_rows)
     tl.store(block_rows_ptr + b, rows)
+    if b == 0:
+        # After the scatter, cursor - start is what topk_ids really route to each expert.
+        emask = e < num_experts
+        routed = tl.load(cursor_ptr + e, mask=emask, other=0) - tl.load(expert_start_ptr + e, mask=emask, other=0)
+        differ = tl.max((routed != tl.load(counts_ptr + e, mask=emask, other=0)).to(tl.int32), 0)
+        tl.atomic_or(flags_ptr, differ * 2)  # MISMATCH
 
 
 def permute_to_contiguous(
@@ -203,9 +212,9 @@ def permute_to_contiguous(
     Args:
         a1q: fp8 ``[M, K]``. a1q_scale: fp32 ``[M, ceil(K/128)]`` group scales (any strides).
         topk_ids: signed int ``[M, topk]`` global ids. expert_map: optional ``[E_global]``.
-        counts: int32 ``[E]`` pairs per local expert (``count_expert_num_tokens``). Counts
-            that are too large only add padding; too small ones set ``overflow`` (checked by
-            the caller, which knows where the counts came from).
+        counts: int32 ``[E]`` pairs per local expert (``count_expert_num_tokens``). Wrong
+            counts never write out of bounds; they set ``flags`` (checked by the caller, which
+            knows where the counts came from). Too large ones still give a valid layout.
         num_rows: M_sum, rows of the layout; at least ``sum(round_up(counts, 128))``.
         out: buffers to fill (see :func:`alloc_layout`); fresh ones when None.
 
@@ -236,13 +245,13 @@ def permute_to_contiguous(
         )
     BLOCK_E = triton.next_power_of_2(E)
     _expert_offsets_kernel[(1,)](
-        counts, layout.expert_start, layout.cursor, layout.overflow, E, num_rows, ALIGN_M=ALIGN, BLOCK_E=BLOCK_E
+        counts, layout.expert_start, layout.cursor, layout.flags, E, num_rows, ALIGN_M=ALIGN, BLOCK_E=BLOCK_E
     )
     if M > 0:
         emap = expert_map if expert_map is not None else topk_ids  # a dummy pointer when unused
         _scatter_rows_kernel[(M,)](
             a1q, a1q_scale, topk_ids, emap,
-            layout.a, layout.a_scale, layout.inv_perm, layout.expert_start, layout.cursor, layout.overflow,
+            layout.a, layout.a_scale, layout.inv_perm, layout.expert_start, layout.cursor, layout.flags,
             K, G, topk, E, emap.numel() if expert_map is not None else E, num_rows,
             a1q.stride(0), a1q_scale.stride(0), a1q_scale.stride(1),
             layout.a.stride(0), layout.a_scale.stride(0), layout.a_scale.stride(1),
@@ -251,7 +260,8 @@ def permute_to_contiguous(
         )  # fmt: skip
     if num_rows > 0:
         _block_experts_kernel[(num_rows // ALIGN,)](
-            layout.expert_start, layout.cursor, layout.m_indices, layout.block_rows, E, num_rows,
+            counts, layout.expert_start, layout.cursor, layout.m_indices, layout.block_rows, layout.flags,
+            E, num_rows,
             ALIGN_M=ALIGN, BLOCK_E=BLOCK_E,
         )  # fmt: skip
     return layout
@@ -317,6 +327,8 @@ def unpermute_from_contiguous(rows: torch.Tensor, inv_perm: torch.Tensor, *, out
 
 __all__ = [
     "ALIGN",
+    "MISMATCH",
+    "OVERFLOW",
     "ContiguousLayout",
     "alloc_layout",
     "column_major_scale",

@@ -1,0 +1,251 @@
+"""``DeepGemmExperts``: fp8 block experts over DeepGEMM's contiguous layout.
+
+One call (M tokens, K hidden, N = w1 rows, E local experts, M_sum rows of the layout)::
+
+    permute     a1q [M, K] -> a [M_sum, K]          rows grouped by local expert, padded to 128
+    GEMM1       a @ w1[m_indices]^T -> mm1 [M_sum, N]           deep_gemm, or moekit's Triton
+    activation  silu_and_mul + fp8 requant -> q [M_sum, N/2]    1x128 scales, column-major
+    GEMM2       q @ w2[m_indices]^T -> mm2 [M_sum, K]
+    unpermute   mm2 -> output [M, topk, K]          zeros for empty and non-local slots
+
+Workspaces (bf16; W2 = max(N/2, K)) and what lives in them, phase by phase::
+
+    workspace13 (M_sum, max(N, K))        mm1 [M_sum, N]  then  mm2 [M_sum, K]
+    workspace2  (M_sum + R_idx, W2)       a + a_scale     then  q + q_scale   (rows < M_sum)
+                                          index arrays in the last R_idx rows: m_indices,
+                                          inv_perm, block_rows, expert_start, cursor, overflow
+
+M_sum is exact when the metadata carries CPU counts (``sum(round_up(count, 128))``, upstream
+#20903); otherwise it is the worst case ``round_up(M*topk + 127 * min(E, M*topk), 128)``: every
+non-empty expert wastes at most 127 rows, and there are at most ``M*topk`` of them. moekit lays
+rows out in LOCAL expert space (non-local pairs are dropped), so E is E_local; upstream used
+E_global until #20903. The output is ``(M, topk, K)``, the same as ``TritonExperts``: the second
+half of the PR #20392 fix, so that a dispatcher can slice one whole-batch output per chunk.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from moekit.backends import deep_gemm as dg
+from moekit.errors import BackendUnavailableError, InvalidInputError, QuantizationError, StaleMetadataError
+from moekit.experts.base import Experts, carve, view_workspace
+from moekit.kernels.contiguous_gemm import GemmConfig, contiguous_gemm
+from moekit.kernels.permute import ALIGN, ContiguousLayout, permute_to_contiguous, unpermute_from_contiguous
+from moekit.types import ExpertsCall, ExpertTokensMetadata, ProblemSize, QuantScheme, WorkspaceShapes
+
+BACKENDS = ("auto", "deep_gemm", "triton")
+FP8 = torch.float8_e4m3fn
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def _index_bytes(M_sum: int, pairs: int, E: int) -> list[int]:
+    """Bytes of m_indices, inv_perm, block_rows, expert_start, cursor, overflow (16-aligned)."""
+    return [_round_up(4 * n, 16) for n in (M_sum, pairs, M_sum // ALIGN, E + 1, E, 1)]
+
+
+def _fp8_region(raw: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 ``[rows, cols]`` then its column-major 1x128 scales ``[cols/128, rows]``, from byte 0."""
+    groups = math.ceil(cols / ALIGN)
+    q = raw[: rows * cols].view(FP8).view(rows, cols)
+    scale = raw[rows * cols : rows * cols + 4 * groups * rows].view(torch.float32).view(groups, rows)
+    return q, scale.t()
+
+
+def stale_counts_message(total: int, M: int, topk: int) -> str:
+    return (
+        f"tokens_meta counts {total} (token, slot) pairs for this rank's experts, but this call has "
+        f"only M*topk = {M}*{topk} = {M * topk}. The counts describe a larger batch: whole-batch "
+        "expert_num_tokens were handed to a chunk (bug 2 of vLLM PR #20392). Sizing the layout from "
+        "them would be wrong; recount per chunk (ModularKernel(metadata_policy='per_chunk'))."
+    )
+
+
+class DeepGemmExperts(Experts):
+    """fp8 block experts: permute to the contiguous layout, two grouped GEMMs, unpermute.
+
+    Args:
+        quant: must be ``QuantScheme.FP8_BLOCK`` (1x128 activation, 128x128 weight scales).
+        backend: ``"auto"`` (deep_gemm when :func:`moekit.backends.deep_gemm.status` says it
+            is usable and both GEMMs' K are multiples of 128, else moekit's Triton contiguous
+            GEMM), ``"deep_gemm"`` (raise if unusable) or ``"triton"``.
+        gemm_config: tiles for the Triton GEMMs (:class:`~moekit.kernels.contiguous_gemm.GemmConfig`).
+
+    Raises:
+        QuantizationError: ``quant`` is not FP8_BLOCK.
+        BackendUnavailableError: ``backend="deep_gemm"`` where it cannot run.
+    """
+
+    supports_chunking = True
+    supports_expert_map = True
+    uses_tokens_meta = True
+
+    def __init__(self, *, quant: QuantScheme = QuantScheme.FP8_BLOCK, backend: str = "auto",
+                 gemm_config: GemmConfig | None = None):  # fmt: skip
+        super().__init__(quant=quant)
+        if quant is not QuantScheme.FP8_BLOCK:
+            raise QuantizationError(f"DeepGemmExperts needs quant=QuantScheme.FP8_BLOCK, got {quant}")
+        if backend not in BACKENDS:
+            raise InvalidInputError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if backend == "deep_gemm" and not dg.status().usable:
+            raise BackendUnavailableError(f"backend='deep_gemm' asked for, but {dg.status().reason}")
+        self.backend = backend
+        self.gemm_config = gemm_config
+
+    def __repr__(self) -> str:
+        return f"DeepGemmExperts(backend={self.backend!r})"
+
+    # ----------------------------------------------------------------------------------------
+    def _real_deep_gemm(self, N: int, K: int) -> bool:
+        if self.backend == "triton":
+            return False
+        fits = (N // 2) % 128 == 0 and K % 128 == 0
+        if self.backend == "deep_gemm":
+            if not fits:
+                raise BackendUnavailableError(f"deep_gemm needs N/2 and K multiples of 128, got N={N}, K={K}")
+            return True
+        return fits and dg.status().usable
+
+    def backend_for(self, problem: ProblemSize) -> str:
+        return "deep_gemm" if self._real_deep_gemm(problem.N, problem.K) else "deep_gemm[triton]"
+
+    @staticmethod
+    def _check_shape(problem: ProblemSize) -> None:
+        if problem.N % 128 or problem.K % 128:
+            raise QuantizationError(
+                f"DeepGemmExperts needs N and K multiples of 128 (the contiguous layout's blocks), "
+                f"got N={problem.N}, K={problem.K}; use TritonExperts or TritonOrDeepGemmExperts"
+            )
+
+    def num_rows(self, problem: ProblemSize, tokens_meta: ExpertTokensMetadata | None = None) -> int:
+        """M_sum: rows of the contiguous layout for this call (see the module docstring)."""
+        pairs = problem.M * problem.topk
+        cpu = tokens_meta.expert_num_tokens_cpu if tokens_meta is not None else None
+        if cpu is None:
+            return _round_up(pairs + (ALIGN - 1) * min(problem.num_local_experts, pairs), ALIGN)
+        if cpu.numel() != problem.num_local_experts:
+            raise InvalidInputError(
+                f"tokens_meta has {cpu.numel()} counts, expected one per local expert "
+                f"({problem.num_local_experts})"
+            )
+        counts = cpu.to(torch.int64)
+        if int(counts.sum()) > pairs:
+            raise StaleMetadataError(stale_counts_message(int(counts.sum()), problem.M, problem.topk))
+        return int(((counts + ALIGN - 1) // ALIGN * ALIGN).sum())
+
+    def workspace_shapes(
+        self,
+        problem: ProblemSize,
+        *,
+        act_dtype: torch.dtype,
+        tokens_meta: ExpertTokensMetadata | None = None,
+    ) -> WorkspaceShapes:
+        """``(M_sum, max(N, K))``, ``(M_sum + R_idx, max(N/2, K))``, output ``(M, topk, K)``, bf16.
+
+        Raises:
+            QuantizationError: N or K not a multiple of 128.
+            StaleMetadataError: CPU counts describe more pairs than ``M * topk`` (bug 2).
+        """
+        self._check_shape(problem)
+        M_sum = self.num_rows(problem, tokens_meta)
+        W2 = max(problem.N // 2, problem.K)
+        idx = sum(_index_bytes(M_sum, problem.M * problem.topk, problem.num_local_experts))
+        R_idx = math.ceil(idx / (2 * W2))
+        out = (problem.M, problem.topk, problem.K)
+        return WorkspaceShapes((M_sum, max(problem.N, problem.K)), (M_sum + R_idx, W2), out, torch.bfloat16)
+
+    # ----------------------------------------------------------------------------------------
+    @staticmethod
+    def _layout(ws2: torch.Tensor, M_sum: int, pairs: int, E: int, K: int) -> ContiguousLayout:
+        raw = ws2.reshape(-1).view(torch.uint8)
+        off = M_sum * ws2.shape[1] * ws2.element_size()  # the index rows start after M_sum rows
+        views = []
+        sizes = (M_sum, pairs, M_sum // ALIGN, E + 1, E, 1)
+        for nbytes, n in zip(_index_bytes(M_sum, pairs, E), sizes, strict=True):
+            views.append(raw[off : off + 4 * n].view(torch.int32))
+            off += nbytes
+        return ContiguousLayout(*_fp8_region(raw, M_sum, K), *views)
+
+    def apply(self, call: ExpertsCall) -> str:
+        """permute -> GEMM1 -> silu_and_mul + fp8 requant -> GEMM2 -> unpermute into ``call.output``."""
+        from moekit.kernels.activation import silu_and_mul_fp8_group
+
+        w = call.weights
+        E, N, K = w.w1.shape
+        M, topk = call.topk_ids.shape
+        problem = ProblemSize(M, N, K, topk, call.global_num_experts, E)
+        shapes = self.workspace_shapes(problem, act_dtype=call.hidden.dtype, tokens_meta=call.tokens_meta)
+        ws13 = view_workspace(call.workspace13, shapes.workspace13)  # strict, as upstream: fail here
+        ws2 = view_workspace(call.workspace2, shapes.workspace2)
+        self._check_call(call, shapes)
+        M_sum = shapes.workspace13[0]
+        real = self._real_deep_gemm(N, K)
+        backend = "deep_gemm" if real else "deep_gemm[triton]"
+        if M == 0 or M_sum == 0:  # no local (token, slot) pair: every slot's output is zero
+            call.output.zero_()
+            return backend
+
+        if call.tokens_meta is not None:
+            counts = call.tokens_meta.expert_num_tokens
+        else:
+            from moekit.kernels.count import count_expert_num_tokens
+
+            counts = count_expert_num_tokens(call.topk_ids, E, call.expert_map)
+        layout = permute_to_contiguous(
+            call.hidden, call.hidden_scale, call.topk_ids, counts, num_rows=M_sum,
+            expert_map=call.expert_map, out=self._layout(ws2, M_sum, M * topk, E, K),
+        )  # fmt: skip
+        if call.tokens_meta is not None and int(layout.flags.item()):  # one sync, outside counts only
+            routed = (layout.cursor - layout.expert_start[:-1]).tolist()
+            raise StaleMetadataError(
+                f"tokens_meta.expert_num_tokens = {counts.tolist()}, but this call's topk_ids route "
+                f"{routed} (token, slot) pairs to the local experts: the metadata belongs to another "
+                "batch (bug 2 of vLLM PR #20392: whole-batch counts handed to a chunk). Recount per chunk."
+            )
+        mm1 = carve(ws13, (M_sum, N))
+        self._gemm(real, layout.a, layout.a_scale, w.w1, w.w1_scale, mm1, layout)
+        q, q_scale = _fp8_region(ws2.reshape(-1).view(torch.uint8), M_sum, N // 2)  # a is dead now
+        silu_and_mul_fp8_group(mm1, out_q=q, out_scale=q_scale, static_scale=self._a2_scale(call))
+        mm2 = carve(ws13, (M_sum, K))
+        self._gemm(real, q, q_scale, w.w2, w.w2_scale, mm2, layout)
+        unpermute_from_contiguous(mm2, layout.inv_perm, out=call.output)
+        return backend
+
+    def _gemm(self, real: bool, a, a_scale, b, b_scale, out, layout: ContiguousLayout) -> None:
+        if real:
+            dg.grouped_gemm_contiguous(a, a_scale, b, b_scale, out, layout.m_indices)
+        else:
+            contiguous_gemm(a, a_scale, b, b_scale, layout.m_indices, out=out, block_rows=layout.block_rows,
+                            config=self.gemm_config)  # fmt: skip
+
+    @staticmethod
+    def _a2_scale(call: ExpertsCall) -> torch.Tensor | None:
+        s = call.a2_scale
+        if s is not None and s.numel() != 1:
+            raise QuantizationError(
+                f"DeepGemmExperts takes a per-tensor a2_scale (1 element) or None, got shape "
+                f"{tuple(s.shape)}: rows are permuted by expert, so per-token scales would need permuting"
+            )
+        return s
+
+    @staticmethod
+    def _check_call(call: ExpertsCall, shapes: WorkspaceShapes) -> None:
+        M, K = call.hidden.shape
+        if call.hidden.dtype != FP8 or call.hidden_scale is None:
+            raise QuantizationError(
+                f"DeepGemmExperts needs fp8 activations with 1x128 scales, got {call.hidden.dtype} and "
+                f"scale {None if call.hidden_scale is None else tuple(call.hidden_scale.shape)}"
+            )
+        if tuple(call.output.shape) != shapes.output or call.output.dtype != torch.bfloat16:
+            raise InvalidInputError(
+                f"output must be bf16 {shapes.output}, got {call.output.dtype} {tuple(call.output.shape)}"
+            )
+        call.weights.check(QuantScheme.FP8_BLOCK)
+
+
+__all__ = ["DeepGemmExperts"]
