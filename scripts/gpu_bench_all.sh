@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Every moekit benchmark at the performance issue's shapes, in one call on one H200:
 #
-#     bash scripts/gpu_bench_all.sh            # results: $OUT (else benchmarks/results), log: $OUT/log.txt
+#     bash scripts/gpu_bench_all.sh     # JSON + log.txt in $OUT (else benchmarks/results)
 #
 # Steps run in priority order, each in its own process under `timeout`, and the whole run stops
 # starting new steps near BUDGET_S seconds (default 470, so it ends inside a 10-minute call).
 # Every step rewrites its JSON after each row, so a step cut short keeps what it measured.
-# At most 8 files land in $OUT (the device tool returns no more): log.txt and 7 JSON files.
+# At most 8 files land in $OUT (the device tool returns no more): log.txt and 6 JSON files.
 # No install and no network: moekit runs from this checkout through PYTHONPATH.
 set -u
 cd "$(dirname "$0")/.."
@@ -52,26 +52,26 @@ print('torch._grouped_mm:', hasattr(torch, '_grouped_mm'), '| deep_gemm:', statu
 # 1. The main target table: Qwen3-30B-A3B bf16, graphs for M <= 128, profiler split for all.
 step layer-qwen3-bf16 150 "$PY" -m moekit.bench layer --shape qwen3_30b_a3b --dtype bf16 \
     --M 1 128 4096 16384 --graph-max-M 128 --peers grouped_mm,triton,triton_chunked --phases \
-    --json "$OUT/layer-qwen3-bf16.json"
+    --out "$OUT"
 
 # 2. Chunking cost and workspace bytes against C.
 step chunking-qwen3 75 "$PY" -m moekit.bench chunking --shape qwen3_30b_a3b --dtype bf16 --M 16384 \
-    --C 256 512 1024 2048 4096 None --json "$OUT/chunking-qwen3-bf16.json"
+    --C 256 512 1024 2048 4096 None --out "$OUT"
 
 # 3. DeepSeek-V3-like bf16 at M=16384 (target <= 18 ms; 22.5 GB of weights).
 step layer-dsv3-bf16 100 "$PY" -m moekit.bench layer --shape deepseek_v3 --dtype bf16 --M 16384 \
-    --peers grouped_mm,triton,triton_chunked --phases --check-rows 128 --json "$OUT/layer-dsv3-bf16.json"
+    --peers grouped_mm,triton,triton_chunked --phases --check-rows 128 --out "$OUT"
 
 # 4. fp8 block, DeepSeek-V3-like, M=4096: GEMM TF/s and the non-GEMM share per experts backend.
 step layer-dsv3-fp8 100 "$PY" -m moekit.bench layer --shape deepseek_v3 --dtype fp8 --M 4096 \
-    --peers triton,deep_gemm_triton,deep_gemm --phases --check-rows 128 --json "$OUT/layer-dsv3-fp8.json"
+    --peers triton,deep_gemm_triton,deep_gemm --phases --check-rows 128 --out "$OUT"
 
 # 5. The count kernel (its own subcommand; 262144 x 8 ids, E=256 is the target row).
 step count 45 "$PY" -m moekit.bench count --graph --out "$OUT"
 
 # 6. fp8 block, Qwen3 shape, M=4096 (vLLM Triton anchor 1647 us).
 step layer-qwen3-fp8 60 "$PY" -m moekit.bench layer --shape qwen3_30b_a3b --dtype fp8 --M 4096 \
-    --peers triton,deep_gemm_triton,deep_gemm --phases --json "$OUT/layer-qwen3-fp8.json"
+    --peers triton,deep_gemm_triton,deep_gemm --phases --out "$OUT"
 
 say ""
 say "== summary ($(($(date +%s) - START))s elapsed)"
