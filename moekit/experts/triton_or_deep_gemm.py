@@ -1,0 +1,92 @@
+"""``TritonOrDeepGemmExperts``: DeepGemm for large chunks, Triton for small ones.
+
+The class of bug 1 in vLLM PR #20392. It picks a backend per call from the chunk's M, so one
+forward can run both: with M=130 and chunk size 128, chunk 0 (128 tokens) takes DeepGemm and
+chunk 1 (2 tokens) takes Triton. Their workspaces differ::
+
+    DeepGemm  workspace13 (M_sum, max(N, K))   workspace2 (M_sum + R_idx, max(N/2, K))
+    Triton    workspace13 (M, topk, N)         workspace2 (M * topk, N/2)
+    both      output      (M, topk, K)
+
+so workspaces must be declared per chunk (the fix; ``workspace_policy="per_chunk"``), and the
+outputs must have one layout so that the whole-batch output slices per chunk.
+
+One predicate, :meth:`TritonOrDeepGemmExperts.uses_deep_gemm`, decides for
+``workspace_shapes``, ``apply`` and ``backend_for``. Upstream had two: the workspace rule
+checked N = 2I while the apply rule checked I and also the dtypes, contiguity and whether
+deep_gemm was installed, so they could disagree (with I=192, 2I is 128-aligned and I is not),
+and only "DeepGemm's workspaces are larger" kept that safe.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moekit.experts.base import Experts
+from moekit.experts.deep_gemm import DeepGemmExperts
+from moekit.experts.triton import TritonExperts
+from moekit.types import ExpertsCall, ExpertTokensMetadata, ProblemSize, QuantScheme, WorkspaceShapes
+
+DEEP_GEMM_MIN_M = 128  # upstream's switch is M >= 128 (the PR text says "> 128")
+
+
+class TritonOrDeepGemmExperts(Experts):
+    """Dispatch each call to a ``DeepGemmExperts`` or a ``TritonExperts`` it owns.
+
+    Args:
+        quant: ``QuantScheme.FP8_BLOCK`` (both backends) or ``QuantScheme.NONE`` (Triton only).
+        deep_gemm_backend: the ``backend`` of the DeepGemm sub-experts: ``"auto"`` (the real
+            deep_gemm where usable, else moekit's Triton contiguous GEMM), ``"deep_gemm"`` or
+            ``"triton"``.
+    """
+
+    uses_tokens_meta = True
+
+    def __init__(self, *, quant: QuantScheme = QuantScheme.FP8_BLOCK, deep_gemm_backend: str = "auto"):
+        super().__init__(quant=quant)
+        self.triton = TritonExperts(quant=quant)
+        self.deep_gemm = (
+            DeepGemmExperts(quant=quant, backend=deep_gemm_backend) if quant is QuantScheme.FP8_BLOCK else None
+        )
+        subs = [e for e in (self.triton, self.deep_gemm) if e is not None]
+        # Instance attributes: a dispatcher can chunk only if every backend it may pick can.
+        self.supports_chunking = all(e.supports_chunking for e in subs)
+        self.supports_expert_map = all(e.supports_expert_map for e in subs)
+
+    def __repr__(self) -> str:
+        return f"TritonOrDeepGemmExperts(quant={self.quant.value}, deep_gemm={self.deep_gemm!r})"
+
+    def uses_deep_gemm(self, problem: ProblemSize) -> bool:
+        """True when this call goes to DeepGemm: fp8 block, M >= 128, N and K multiples of 128."""
+        return (
+            self.deep_gemm is not None
+            and problem.M >= DEEP_GEMM_MIN_M
+            and problem.N % 128 == 0
+            and problem.K % 128 == 0
+        )
+
+    def _pick(self, problem: ProblemSize) -> Experts:
+        return self.deep_gemm if self.uses_deep_gemm(problem) else self.triton
+
+    def backend_for(self, problem: ProblemSize) -> str:
+        return self._pick(problem).backend_for(problem)
+
+    def workspace_shapes(
+        self,
+        problem: ProblemSize,
+        *,
+        act_dtype: torch.dtype,
+        tokens_meta: ExpertTokensMetadata | None = None,
+    ) -> WorkspaceShapes:
+        """The shapes of the backend :meth:`uses_deep_gemm` picks for ``problem.M``."""
+        return self._pick(problem).workspace_shapes(problem, act_dtype=act_dtype, tokens_meta=tokens_meta)
+
+    def apply(self, call: ExpertsCall) -> str:
+        """Run the backend picked for this call's M (the same one ``workspace_shapes`` picked)."""
+        E_local, N, K = call.weights.w1.shape
+        M, topk = call.hidden.shape[0], call.topk_ids.shape[1]
+        problem = ProblemSize(M, N, K, topk, call.global_num_experts, E_local)
+        return self._pick(problem).apply(call)
+
+
+__all__ = ["DEEP_GEMM_MIN_M", "TritonOrDeepGemmExperts"]
