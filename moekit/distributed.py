@@ -30,12 +30,16 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import importlib
+import importlib.util
 import os
 import pickle
 import queue as queue_mod
+import sys
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -112,10 +116,50 @@ def _to_cpu(obj: Any) -> Any:
     return obj
 
 
-def _child(rank, world_size, port, backend, fn, args, timeout_s, results) -> None:
+@dataclass(frozen=True)
+class _FnRef:
+    """``fn`` by name, plus its file: a module that pytest (importlib mode) or a script loaded
+    from a path is not importable by name in a fresh process, but can be loaded from the file."""
+
+    module: str
+    qualname: str
+    file: str | None
+
+    @classmethod
+    def of(cls, fn) -> _FnRef:
+        module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+        if module is None or "<" in qualname:
+            raise InvalidInputError(
+                f"launch needs a module-level function (spawned ranks import it by name), got {fn!r}"
+            )
+        file = getattr(sys.modules.get(module), "__file__", None)
+        if module == "__main__" and file is None:
+            raise InvalidInputError(
+                f"{qualname} was defined in a notebook or REPL, where spawned ranks cannot find it; "
+                "define it in a module (as moekit.ep.run_rank is)"
+            )
+        return cls(module, qualname, file)
+
+    def resolve(self):
+        try:
+            obj = importlib.import_module(self.module)
+        except ImportError:
+            if self.file is None:
+                raise
+            spec = importlib.util.spec_from_file_location(self.module, self.file)
+            obj = importlib.util.module_from_spec(spec)
+            sys.modules[self.module] = obj
+            spec.loader.exec_module(obj)
+        for part in self.qualname.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+
+def _child(rank, world_size, port, backend, ref: _FnRef, args, timeout_s, results) -> None:
     # Results travel as plain-pickled bytes: torch's shared-memory tensor passing would break
     # when this process exits before the parent reads.
     try:
+        fn = ref.resolve()
         timeout = datetime.timedelta(seconds=timeout_s)
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
         _init(backend, rank, world_size, timeout_s, store=store)
@@ -154,6 +198,7 @@ def launch(
             failed, the first to report leads), died, or the run exceeded ``timeout_s``.
     """
     backend = _check_backend(backend, world_size)
+    ref = _FnRef.of(fn)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     # The parent hosts the rendezvous store on port 0 (the OS picks a free port): no race on the port.
@@ -167,7 +212,7 @@ def launch(
     try:
         procs = [
             ctx.Process(target=_child, daemon=True,
-                        args=(r, world_size, store.port, backend, fn, args, timeout_s, results))
+                        args=(r, world_size, store.port, backend, ref, args, timeout_s, results))
             for r in range(world_size)
         ]
         for p in procs:

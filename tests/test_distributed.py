@@ -97,6 +97,11 @@ def test_bad_arguments():
             launch(sum_ranks, 64, backend="nccl")
 
 
+def test_function_must_be_found_by_name():
+    with expect_raises(InvalidInputError, match="module-level"):
+        launch(lambda rank, world: rank, 1)
+
+
 def test_init_from_env_without_torchrun_is_one_process(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
