@@ -57,8 +57,7 @@ def quantize_activations(x: torch.Tensor, quant: QuantScheme) -> tuple[torch.Ten
 
 
 def weight_and_reduce(fused_out: torch.Tensor, topk_weights: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
-    """``output[m] = sum_j topk_weights[m, j] * fused_out[m, j]`` (fp32 accumulation)."""
-    M = output.shape[0]
-    per_slot = fused_out.view(M, -1, output.shape[1]).float()
-    output.copy_((per_slot * topk_weights.view(M, -1, 1).float()).sum(dim=1))
-    return output
+    """``output[m] = sum_j topk_weights[m, j] * fused_out[m, j]`` (one Triton pass, fp32 accumulation)."""
+    from moekit.kernels.reduce import weighted_topk_sum
+
+    return weighted_topk_sum(fused_out.contiguous(), topk_weights, output)
