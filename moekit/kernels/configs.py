@@ -1,0 +1,98 @@
+"""Tile sizes of the grouped GEMM (``moekit.kernels.fused_moe``): a committed table, no autotune.
+
+The table (``moekit/configs/fused_moe.json``) is keyed by compute dtype and by the expected
+rows per expert, ``r = M * topk / E``: that, more than M alone, decides whether the GEMM streams
+weights (r ~ 1, decode) or is compute-bound (r in the hundreds). Each entry holds one config per
+GEMM. Under Triton's interpreter every program costs Python time, so there a fixed config of a
+few large tiles is used instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import asdict, dataclass
+from importlib import resources
+
+import torch
+
+from moekit.device import interpreting
+from moekit.errors import InvalidInputError
+
+_DTYPE_KEYS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8"}
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch shape of one grouped GEMM.
+
+    ``BLOCK_M`` rows of (token, slot) pairs by ``BLOCK_N`` output columns per program, stepping
+    ``BLOCK_K`` along the reduction. ``GROUP_M`` row blocks share one sweep over the columns (so
+    an expert's weight tiles are reused from L2). All tile sizes are powers of two >= 16.
+    """
+
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_K: int
+    GROUP_M: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        for name, value in asdict(self).items():
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise InvalidInputError(f"KernelConfig.{name} must be a positive int, got {value!r}")
+        for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise InvalidInputError(f"KernelConfig.{name} must be a power of two >= 16, got {value}")
+
+    @property
+    def launch(self) -> dict:
+        """Keyword arguments for a kernel launch."""
+        return asdict(self)
+
+
+# Few, large programs: the interpreter's cost is per program and per k-step, not per element
+# (BLOCK_K = 128 also suits fp8, one scale pair per k-step).
+_INTERPRETER = KernelConfig(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=1)
+
+
+@functools.cache
+def load_table() -> dict:
+    """The JSON table, with dtype aliases (``"fp16": "bf16"``) resolved."""
+    text = resources.files("moekit").joinpath("configs/fused_moe.json").read_text()
+    table = {k: v for k, v in json.loads(text).items() if not k.startswith("_")}
+    return {k: table[v] if isinstance(v, str) else v for k, v in table.items()}
+
+
+def get_config(M: int, N: int, K: int, E: int, topk: int, dtype: torch.dtype, *, stage: int = 1) -> KernelConfig:
+    """The config for one GEMM of a layer with M tokens.
+
+    Args:
+        M: tokens in this call (a chunk's M). N, K: the GEMM's output width and reduction
+            (stage 1: w1's N and K; stage 2: K and N/2). E: global experts. topk: slots per token.
+        dtype: compute dtype of the operands (``torch.float8_e4m3fn`` for fp8 block).
+        stage: 1 for GEMM1 (gate/up), 2 for GEMM2 (down).
+
+    Returns:
+        A :class:`KernelConfig`; under the interpreter, a fixed small-grid config.
+
+    Raises:
+        InvalidInputError: an unknown dtype or stage.
+    """
+    if dtype not in _DTYPE_KEYS:
+        raise InvalidInputError(f"no fused_moe config for dtype {dtype}; expected one of {list(_DTYPE_KEYS)}")
+    if stage not in (1, 2):
+        raise InvalidInputError(f"stage must be 1 or 2, got {stage!r}")
+    if interpreting():
+        return _INTERPRETER
+    return table_config(M * topk / max(E, 1), dtype, stage=stage)
+
+
+def table_config(rows_per_expert: float, dtype: torch.dtype, *, stage: int = 1) -> KernelConfig:
+    """The table's entry for ``rows_per_expert`` (the first bucket with ``r <= max_rows``)."""
+    for entry in load_table()[_DTYPE_KEYS[dtype]]:
+        if entry["max_rows"] is None or rows_per_expert <= entry["max_rows"]:
+            return KernelConfig(**entry[f"gemm{stage}"])
+    raise InvalidInputError(f"the fused_moe table for {dtype} has no bucket for {rows_per_expert:.3g} rows per expert")

@@ -1,0 +1,142 @@
+"""The grouped GEMM over aligned blocks (and its config table) against a per-pair torch loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moekit.errors import InvalidInputError, QuantizationError
+from moekit.kernels.align import moe_align_block_size
+from moekit.kernels.configs import KernelConfig, get_config, load_table, table_config
+from moekit.kernels.fused_moe import fused_moe_gemm
+from moekit.quant import (
+    dequantize_fp8_block,
+    dequantize_fp8_per_token_group,
+    quantize_fp8_block,
+    quantize_fp8_per_token_group,
+)
+from moekit.testing import assert_close, expect_raises
+
+FP8 = torch.float8_e4m3fn
+CFG = KernelConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=2, num_warps=4, num_stages=2)
+
+
+def gemm_spec(a, w, ids, pairs_per_row, expert_map=None):
+    """out[i] = a[i // pairs_per_row] @ w[local(i)].T in fp32; zero for remote or empty pairs."""
+    flat = ids.reshape(-1).tolist()
+    out = torch.zeros(len(flat), w.shape[1], device=a.device)
+    for i, g in enumerate(flat):
+        e = g if expert_map is None or g < 0 else int(expert_map[g])
+        if 0 <= e < w.shape[0]:
+            out[i] = a[i // pairs_per_row].float() @ w[e].float().t()
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("M, K, N, E, topk", [(1, 64, 64, 4, 1), (23, 128, 96, 5, 2), (9, 96, 80, 7, 3)])
+def test_matches_torch(device, dtype, stage, M, K, N, E, topk):
+    # stage 1 reads one row per token (row = pair // topk), stage 2 one row per pair.
+    ids = torch.randint(0, E, (M, topk), device=device)
+    rows = M if stage == 1 else M * topk
+    a = torch.randn(rows, K, device=device).to(dtype)
+    w = (torch.randn(E, N, K, device=device) / K**0.5).to(dtype)
+    ppr = topk if stage == 1 else 1
+    blocks = moe_align_block_size(ids, CFG.BLOCK_M, E)
+    out = torch.empty(M * topk, N, device=device, dtype=dtype)
+    fused_moe_gemm(a, w, out, blocks, pairs_per_row=ppr, config=CFG)
+    # bf16 here also proves the interpreter workaround: a raw bf16 tl.dot gives values ~1e10.
+    assert_close(out, gemm_spec(a, w, ids, ppr), dtype=dtype)
+
+
+def test_remote_blocks_write_zeros_and_dropped_rows_are_untouched(device):
+    E, M, topk, K, N = 6, 12, 2, 64, 64
+    ids = torch.randint(-1, E, (M, topk), device=device)
+    emap = torch.tensor([0, -1, 1, -1, 2, 3], dtype=torch.int32, device=device)
+    a = torch.randn(M, K, device=device)
+    w = torch.randn(4, N, K, device=device)
+    blocks = moe_align_block_size(ids, 16, E, emap, num_local_experts=4)
+    out = torch.full((M * topk, N), 7.0, device=device)
+    fused_moe_gemm(a, w, out, blocks, pairs_per_row=topk, config=CFG)
+    flat = ids.reshape(-1)
+    expected = gemm_spec(a, w, ids, topk, emap)
+    placed = flat >= 0
+    assert_close(out[placed], expected[placed], dtype=torch.float32)
+    remote = placed & (emap.long()[flat.clamp(min=0)] < 0)
+    assert (out[remote] == 0).all()
+    assert (out[~placed] == 7.0).all()  # dropped empty slots: not written
+
+
+@pytest.mark.parametrize("block_k", [128, 64])
+def test_fp8_block_scales(device, block_k):
+    M, K, N, E, topk = 17, 256, 256, 4, 2
+    ids = torch.randint(0, E, (M, topk), device=device)
+    aq, a_s = quantize_fp8_per_token_group(torch.randn(M, K, device=device))
+    wq, w_s = quantize_fp8_block(torch.randn(E, N, K, device=device) / 16)
+    cfg = KernelConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k)
+    blocks = moe_align_block_size(ids, 16, E)
+    out = torch.empty(M * topk, N, device=device, dtype=torch.bfloat16)
+    fused_moe_gemm(aq, wq, out, blocks, pairs_per_row=topk, config=cfg, a_scale=a_s, w_scale=w_s)
+    expected = gemm_spec(dequantize_fp8_per_token_group(aq, a_s), dequantize_fp8_block(wq, w_s), ids, topk)
+    assert_close(out, expected, dtype=torch.bfloat16)  # the same dequantized products, bf16 output
+
+
+def test_fp8_column_major_activation_scales(device):
+    M, K, N, E = 6, 128, 128, 2
+    ids = torch.randint(0, E, (M, 1), device=device)
+    aq, a_s = quantize_fp8_per_token_group(torch.randn(M, K, device=device), column_major=True)
+    wq, w_s = quantize_fp8_block(torch.randn(E, N, K, device=device))
+    blocks = moe_align_block_size(ids, 16, E)
+    out = torch.empty(M, N, device=device, dtype=torch.bfloat16)
+    fused_moe_gemm(aq, wq, out, blocks, pairs_per_row=1, config=CFG, a_scale=a_s, w_scale=w_s)
+    expected = gemm_spec(dequantize_fp8_per_token_group(aq, a_s), dequantize_fp8_block(wq, w_s), ids, 1)
+    assert_close(out, expected, dtype=torch.bfloat16)
+
+
+def test_errors(device):
+    ids = torch.zeros(4, 2, dtype=torch.int32, device=device)
+    blocks = moe_align_block_size(ids, 16, 2)
+    a, w = torch.randn(4, 128, device=device), torch.randn(2, 64, 128, device=device)
+    out = torch.empty(8, 64, device=device)
+    with expect_raises(InvalidInputError, match="BLOCK_M"):
+        fused_moe_gemm(a, w, out, blocks, pairs_per_row=2, config=KernelConfig(32, 64, 64))
+    with expect_raises(InvalidInputError, match="and out"):
+        fused_moe_gemm(a, w, out[:7], blocks, pairs_per_row=2, config=CFG)
+    with expect_raises(InvalidInputError, match="rows for 8 pairs"):
+        fused_moe_gemm(a, w, out, blocks, pairs_per_row=1, config=CFG)
+    with expect_raises(InvalidInputError, match="share a float dtype"):
+        fused_moe_gemm(a.half(), w, out, blocks, pairs_per_row=2, config=CFG)
+    aq, a_s = quantize_fp8_per_token_group(a)
+    wq, w_s = quantize_fp8_block(w)
+    with expect_raises(QuantizationError, match="w_scale"):
+        fused_moe_gemm(aq, wq, out.bfloat16(), blocks, pairs_per_row=2, config=CFG, a_scale=a_s)
+    with expect_raises(QuantizationError, match="BLOCK_K"):
+        fused_moe_gemm(aq, wq, out.bfloat16(), blocks, pairs_per_row=2, config=KernelConfig(16, 64, 256),
+                       a_scale=a_s, w_scale=w_s)  # fmt: skip
+    with expect_raises(QuantizationError, match="both be fp8"):
+        fused_moe_gemm(aq, w, out, blocks, pairs_per_row=2, config=CFG)
+
+
+def test_config_table_is_valid():
+    table = load_table()
+    assert set(table) == {"bf16", "fp16", "fp32", "fp8"}
+    for key, buckets in table.items():
+        limits = [b["max_rows"] for b in buckets]
+        assert limits[-1] is None and limits[:-1] == sorted(limits[:-1])
+        for bucket in buckets:
+            for stage in (1, 2):
+                cfg = KernelConfig(**bucket[f"gemm{stage}"])
+                if key == "fp8":
+                    assert 128 % cfg.BLOCK_K == 0
+    assert table_config(0.06, torch.bfloat16).BLOCK_M == 16  # decode
+    assert table_config(1024, torch.bfloat16).BLOCK_M == 128  # prefill
+    assert table_config(8, torch.float16) == table_config(8, torch.bfloat16)
+
+
+def test_config_errors():
+    with expect_raises(InvalidInputError, match="power of two"):
+        KernelConfig(BLOCK_M=24, BLOCK_N=64, BLOCK_K=64)
+    with expect_raises(InvalidInputError, match="no fused_moe config"):
+        get_config(1, 64, 64, 4, 2, torch.int8)
+    with expect_raises(InvalidInputError, match="stage"):
+        get_config(1, 64, 64, 4, 2, torch.bfloat16, stage=3)
