@@ -25,7 +25,14 @@ import torch
 
 BANDWIDTH = 4.3e12  # bytes/s: device copy measured on the H200 (bytes read plus written)
 BF16_FLOPS = 790e12  # flop/s: bf16 GEMM measured on the H200
-RESULTS_DIR = Path("benchmarks") / "results"
+
+
+def default_results_dir() -> Path:
+    """``benchmarks/results`` of this checkout when moekit runs from one, else under the cwd."""
+    checkout = Path(__file__).resolve().parents[2]
+    if (checkout / "benchmarks").is_dir() and (checkout / "moekit").is_dir():
+        return checkout / "benchmarks" / "results"
+    return Path("benchmarks") / "results"
 
 
 @dataclass(frozen=True)
@@ -139,8 +146,8 @@ def format_table(rows: Sequence[dict], columns: Sequence[str | tuple[str, str, s
 
 
 def results_path(name: str, env: Environment, directory: str | Path | None = None) -> Path:
-    """``<directory>/<name>-<gpu>-<date>.json`` (default directory: ``benchmarks/results``)."""
-    return Path(directory or RESULTS_DIR) / f"{name}-{env.gpu_slug}-{env.date}.json"
+    """``<directory>/<name>-<gpu>-<date>.json`` (default: :func:`default_results_dir`)."""
+    return Path(directory or default_results_dir()) / f"{name}-{env.gpu_slug}-{env.date}.json"
 
 
 def write_json(name: str, env: Environment, payload: dict, *, directory: str | Path | None = None) -> Path:
@@ -154,6 +161,6 @@ def write_json(name: str, env: Environment, payload: dict, *, directory: str | P
 
 def load_results(name: str, directory: str | Path | None = None) -> dict | None:
     """The newest ``<name>-*.json`` under ``directory`` (by the date in its name), or None."""
-    folder = Path(directory or RESULTS_DIR)
+    folder = Path(directory or default_results_dir())
     files = sorted(folder.glob(f"{name}-*.json"), key=lambda p: (p.stem[-10:], p.name))
     return json.loads(files[-1].read_text()) if files else None
