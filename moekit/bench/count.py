@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+from dataclasses import asdict
 
 import torch
 
@@ -26,13 +27,15 @@ from moekit.bench.common import (
     floor_us,
     format_table,
     gpu_or_reason,
+    results_path,
     write_json,
 )
 from moekit.kernels.count import HistogramTuning, count_expert_num_tokens
 from moekit.reference import count_reference
 from moekit.routing import contiguous_expert_map
 
-CASES = [(128, 8, 64), (4096, 8, 256), (65536, 8, 256), (262144, 8, 256), (16384, 6, 64)]  # (M, topk, E)
+# (M, topk, E), the target first: a run cut short by a time limit still has it.
+CASES = [(262144, 8, 256), (65536, 8, 256), (4096, 8, 256), (16384, 6, 64), (128, 8, 64)]
 METHODS = ("scan", "histogram", "torch.bincount", "torch.histc")
 ANCHORS = {  # FACTS.md, H200, do_bench medians, 262144 x 8 ids, E = 256
     "seed scan kernel, no map": 622.0,
@@ -41,6 +44,7 @@ ANCHORS = {  # FACTS.md, H200, do_bench medians, 262144 x 8 ids, E = 256
     "one-pass tl.histogram + atomics (as recorded: same ids / EP map)": "56.6 / 13.7",
     "target: histogram, no map / EP=8 map": "<= 8 / <= 10",
 }
+DEVICE = "cuda"
 SWEEP = dict(block=(1024, 2048, 4096, 8192, 16384), programs_per_sm=(1, 2, 4, 8), num_warps=(4, 8, 16))
 
 
@@ -120,11 +124,17 @@ def _parse(argv):
     p.add_argument("--ep", type=int, default=8, help="EP size of the map rows (rank 0's map); 1 = none")
     p.add_argument("--ids-dtype", choices=("int32", "int64"), default="int32")
     p.add_argument("--graph", action="store_true", help="also time each call replayed in a CUDA graph")
-    p.add_argument("--sweep", action="store_true", help="sweep HistogramTuning on 262144x8, E=256")
+    p.add_argument("--sweep", action="store_true", help="also sweep HistogramTuning on 262144x8, E=256")
+    p.add_argument("--sweep-only", action="store_true", help="only the sweep")
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     p.add_argument("--no-json", action="store_true", help="print only")
     p.add_argument("--cpu-sanity", action="store_true", help="no GPU: tiny interpreter run, not a timing")
     return p.parse_args(argv)
+
+
+def _save(args, env, payload) -> None:
+    if not args.no_json:  # rewritten after every case, so a run cut short keeps what it measured
+        write_json("count", env, payload, directory=args.out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,25 +153,29 @@ def main(argv: list[str] | None = None) -> int:
 
     env = environment()
     print(f"{env.gpu}, torch {env.torch}, triton {env.triton}, {env.date}; ids {args.ids_dtype}")
-    rows = []
-    for (M, topk, E), ep in itertools.product(CASES, sorted({1, args.ep})):
-        rows += run_case(M, topk, E, ep, dtype=dtype, device="cuda", graph=args.graph, timer=bench_median_us)
+    for what, us in ANCHORS.items():
+        print(f"  anchor (FACTS.md, H200) {what}: {us} us")
+    rows: list[dict] = []
+    payload = dict(ids_dtype=args.ids_dtype, anchors=ANCHORS, rows=rows, tuning=asdict(HistogramTuning()))
     cols = ["M", "topk", "E", "ep", "E_local", "method", ("us", "median us", ".1f")]
     cols += [("graph_us", "graph us", ".1f")] if args.graph else []
-    cols += [("floor_us", "floor us", ".2f")]
-    print(format_table(rows, cols))
-    print("\nanchors (FACTS.md, H200):")
-    for what, us in ANCHORS.items():
-        print(f"  {what}: {us} us")
-    payload = dict(ids_dtype=args.ids_dtype, anchors=ANCHORS, rows=rows, tuning=HistogramTuning().__dict__)
-    if args.sweep:
+    cols += [("floor_us", "floor us", ".3g")]
+    eps = sorted({1, args.ep})
+    if not args.sweep_only:
+        for (M, topk, E), ep in itertools.product(CASES, eps):  # the target case comes first
+            case = run_case(M, topk, E, ep, dtype=dtype, device=DEVICE, graph=args.graph, timer=bench_median_us)
+            rows += case
+            print("\n" + format_table(case, cols), flush=True)
+            _save(args, env, payload)
+        print("\nall cases:\n" + format_table(sorted(rows, key=lambda r: (r["M"], r["ep"])), cols))
+    if args.sweep or args.sweep_only:
         payload["sweep"] = []
-        for ep in sorted({1, args.ep}):
-            best = sweep(262144, 8, 256, ep, dtype=dtype, device="cuda")
+        for ep in eps:
+            best = sweep(262144, 8, 256, ep, dtype=dtype, device=DEVICE)
             payload["sweep"] += best
             print(f"\nHistogramTuning sweep, 262144x8, E=256, ep={ep} (best 5 of {len(best)}):")
-            cols = ["block", "programs_per_sm", "num_warps", ("us", "median us", ".1f")]
-            print(format_table(best[:5], cols))
+            print(format_table(best[:5], ["block", "programs_per_sm", "num_warps", ("us", "median us", ".2f")]))
+            _save(args, env, payload)
     if not args.no_json:
-        print(f"\nwrote {write_json('count', env, payload, directory=args.out)}")
+        print(f"\nwrote {results_path('count', env, args.out)}")
     return 0
