@@ -13,13 +13,17 @@ from dataclasses import dataclass
 
 import torch
 
-# (atol, rtol) against the fp32 reference; fp8 is compared on dequantized inputs.
+# (atol, rtol) against the fp32 reference; atol is relative to the largest |expected|.
+# fp8 is compared on dequantized inputs. e4m3 keeps 3 mantissa bits (2**-4 relative rounding),
+# and the fp8 layer quantizes twice (activations, then the intermediate), so one element may be
+# off by a few percent of the maximum; fp8 results must also be within NORM_TOLERANCE in norm.
 TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.float32: (2e-4, 2e-4),
     torch.float16: (1e-2, 1e-2),
     torch.bfloat16: (2e-2, 2e-2),
-    torch.float8_e4m3fn: (3e-2, 3e-2),
+    torch.float8_e4m3fn: (6e-2, 6e-2),
 }
+NORM_TOLERANCE = {torch.float8_e4m3fn: 4e-2}
 
 
 def tolerance(dtype: torch.dtype) -> tuple[float, float]:
@@ -38,7 +42,11 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, dtype: torch.d
     ref = expected.float().cpu()
     if scale is None:
         scale = float(ref.abs().max()) if ref.numel() else 1.0
-    torch.testing.assert_close(actual.float().cpu(), ref, atol=atol * max(scale, 1e-6), rtol=rtol)
+    got = actual.float().cpu()
+    torch.testing.assert_close(got, ref, atol=atol * max(scale, 1e-6), rtol=rtol)
+    if dtype in NORM_TOLERANCE and ref.numel():
+        rel = float((got - ref).norm() / ref.norm().clamp_min(1e-12))
+        assert rel <= NORM_TOLERANCE[dtype], f"relative error in norm {rel:.3g} > {NORM_TOLERANCE[dtype]} ({dtype})"
 
 
 @dataclass
