@@ -29,10 +29,11 @@ from moekit.errors import InvalidIdsError, InvalidInputError
 from moekit.validate import check_expert_map, check_ids
 
 METHODS = ("histogram", "scan")
-# Offsets are int32 inside the kernels; the last tile may run up to BLOCK past numel.
+# Offsets are int32 inside the kernels, and the last tile may run up to BLOCK (<= 2**16) past numel.
 _MAX_NUMEL = 2**31 - 2**16
-# tl.histogram gained its `mask` argument after some Triton releases; without it, invalid ids go
-# to a sentinel bin instead (one more bin, same result).
+_MAX_BLOCK = 2**16
+# tl.histogram takes a `mask` in Triton 3.6 and 3.9. On a release without it, invalid ids go to a
+# sentinel bin instead (one more bin, same result).
 _HISTOGRAM_HAS_MASK = "mask" in inspect.signature(tl.histogram).parameters
 _INTERPRETER_SMS = 2  # pretend SM count: keeps the interpreter's grid small but > 1 program
 
@@ -41,7 +42,7 @@ _INTERPRETER_SMS = 2  # pretend SM count: keeps the interpreter's grid small but
 class HistogramTuning:
     """Launch shape of ``method="histogram"`` (the bench sweeps these on a GPU).
 
-    - ``block``: ids per tile, a power of two (smaller inputs use a smaller tile).
+    - ``block``: ids per tile, a power of two in [32, 65536] (small inputs use a smaller tile).
     - ``programs_per_sm``: the grid is ``min(tiles, SMs * programs_per_sm)``; each program
       loops over every ``grid``-th tile, so a large input costs few programs and few atomics.
     - ``num_warps``: warps per program.
@@ -60,6 +61,8 @@ class HistogramTuning:
             value = getattr(self, name)
             if value & (value - 1):
                 raise InvalidInputError(f"HistogramTuning.{name} must be a power of two, got {value}")
+        if not 32 <= self.block <= _MAX_BLOCK:
+            raise InvalidInputError(f"HistogramTuning.block must be in [32, {_MAX_BLOCK}], got {self.block}")
 
 
 @triton.jit
