@@ -116,25 +116,22 @@ def _finish(
     ends = starts + padded
     # Block j belongs to the bucket whose [start, end) holds row j * BLOCK_M: the number of
     # buckets ending at or before that row (empty buckets end where the next one starts).
-    JB: tl.constexpr = 64
-    for j0 in range(0, max_blocks, JB):
-        j = j0 + tl.arange(0, JB)
+    for j0 in range(0, max_blocks, 64):
+        j = j0 + tl.arange(0, 64)
         row = j * BLOCK_M
-        b = tl.sum((ends[None, :] <= row[:, None]) & (bins[None, :] < E + 1), axis=1).to(tl.int32)
+        b = tl.sum(((ends[None, :] <= row[:, None]) & (bins[None, :] < E + 1)).to(tl.int32), axis=1)
         e = tl.where(b < E, b, -1)
         if HAS_MAP:
             e = tl.load(map_ptr + tl.where(b < E, b, 0), mask=b < E, other=-1).to(tl.int32)
         tl.store(expert_ids_ptr + j, e, mask=j < max_blocks)
     # Padding inside each bucket: rows [start + count, start + padded) hold the pad value.
-    PB: tl.constexpr = 16
-    for k0 in range(0, BLOCK_M, PB):
-        k = k0 + tl.arange(0, PB)
+    for k0 in range(0, BLOCK_M, 16):
+        k = k0 + tl.arange(0, 16)
         pos = (starts + totals)[:, None] + k[None, :]
         tl.store(sorted_ptr + pos, numel + tl.zeros_like(pos), mask=k[None, :] < (padded - totals)[:, None])
     # Everything past the last block.
-    TB: tl.constexpr = 1024
-    for p0 in range(total, max_padded, TB):
-        p = p0 + tl.arange(0, TB)
+    for p0 in range(total, max_padded, 1024):
+        p = p0 + tl.arange(0, 1024)
         tl.store(sorted_ptr + p, numel + tl.zeros_like(p), mask=p < max_padded)
 
 
