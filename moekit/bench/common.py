@@ -128,7 +128,10 @@ def _cell(value, fmt: str | None) -> str:
     if value is None:
         return "-"
     if fmt:
-        return format(value, fmt)
+        try:
+            return format(value, fmt)
+        except (TypeError, ValueError):  # a note or status string in a numeric column
+            return str(value)
     if isinstance(value, float):
         return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
     return str(value)
@@ -155,7 +158,7 @@ def write_json(name: str, env: Environment, payload: dict, *, directory: str | P
     path = results_path(name, env, directory)
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {"name": name, "environment": asdict(env), **payload}
-    path.write_text(json.dumps(record, indent=2, sort_keys=False) + "\n")
+    path.write_text(json.dumps(record, indent=2, default=str) + "\n")  # str(): paths, dtypes
     return path
 
 
