@@ -26,7 +26,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moekit.errors import InvalidInputError, OptionalDependencyError, UnsupportedModelError
+from moekit.errors import (
+    BackendUnavailableError,
+    InvalidInputError,
+    OptionalDependencyError,
+    UnsupportedModelError,
+)
 from moekit.experts.base import Experts
 from moekit.integrations.hf_checks import check_model, check_module
 
@@ -106,6 +111,7 @@ def register(
         InvalidInputError, ChunkSizeError: bad ``experts``, ``chunk_size`` or options.
     """
     moe = _hf_moe()
+    _check_import_order()
     taken = moe.ALL_EXPERTS_FUNCTIONS.get(name) if isinstance(name, str) else None
     if not isinstance(name, str) or not name or name == "eager" or (taken and not hasattr(taken, "_moekit")):
         raise InvalidInputError(
@@ -170,6 +176,25 @@ def _forward(settings: Settings, module, hidden_states, top_k_index, top_k_weigh
     with torch.no_grad():
         out = layer.kernel(hidden_states.to(w1.dtype).contiguous(), w1, w2, top_k_weights.contiguous(), ids)
     return out.to(hidden_states.dtype)
+
+
+def _check_import_order() -> None:
+    # transformers imports Triton. If that happened before moekit switched Triton to its CPU
+    # interpreter, Triton's own library (tl.sum, tl.zeros_like, ...) was built for a GPU, and
+    # moekit's kernels fail inside the interpreter with a cryptic error. Say so up front.
+    from moekit import device
+
+    if not device.interpreting():
+        return
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(tl.standard.zeros_like, InterpretedFunction):
+        raise BackendUnavailableError(
+            "Triton was imported (by transformers?) before moekit turned on Triton's CPU "
+            "interpreter, so Triton's library functions were compiled for a GPU and moekit's kernels "
+            "cannot run here. Import moekit first: put `import moekit` above `import transformers`."
+        )
 
 
 def _experts_factory(experts) -> Callable[[], Experts]:
