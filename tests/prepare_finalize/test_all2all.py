@@ -1,0 +1,188 @@
+"""All2AllPrepareFinalize on gloo ranks (CPU).
+
+Spawning ranks is slow on 2 cores, so each test launches once per world size and every rank
+loops over many cases. Two levels:
+
+- the stage alone, with "identity experts" (each received row comes back unchanged), so the
+  result is exact and independent of the kernels: ``output[m] = sum_j w[m, j] * x[m]`` over the
+  valid slots;
+- the whole ModularKernel (moekit.ep.run_cases) with TritonExperts and TritonOrDeepGemmExperts,
+  against the one-process reference over the full weights.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from moekit.distributed import launch
+from moekit.ep import EPConfig, run_cases
+from moekit.errors import DistributedError, InvalidIdsError, InvalidInputError
+from moekit.prepare_finalize.all2all import All2AllPrepareFinalize
+from moekit.quant import dequantize_fp8_per_token_group, quantize_fp8_per_token_group
+from moekit.routing import contiguous_expert_map, uniform_router
+from moekit.testing import expect_raises
+from moekit.types import ExpertPlacement, QuantScheme
+
+pytestmark = pytest.mark.distributed
+TIMEOUT = 120
+
+MS = {1: [(6,), (0,)], 2: [(7, 0), (0, 5), (3, 9)], 4: [(5, 0, 9, 3), (0, 0, 4, 0)]}
+
+
+def _inputs(Ms, E, topk, K, seed, id_dtype):
+    g = torch.Generator().manual_seed(seed)
+    M = sum(Ms)
+    hidden = torch.randn(M, K, generator=g)
+    weights, ids = uniform_router(M, E, topk, seed=seed, device="cpu")
+    ids = ids.to(id_dtype)
+    if M:
+        ids[::3, -1] = -1  # empty slots are never sent
+    return hidden, weights, ids
+
+
+def stage_cases(rank: int, world: int, cases: list[tuple]) -> list[str]:
+    """Rank function: prepare -> identity experts -> finalize; returns one problem string per failure."""
+    problems = []
+    for Ms, E, topk, quant, id_dtype in cases:
+        K = 256 if quant is QuantScheme.FP8_BLOCK else 24
+        hidden, weights, ids = _inputs(Ms, E, topk, K, seed=len(problems) + E + topk, id_dtype=id_dtype)
+        s, e = sum(Ms[:rank]), sum(Ms[: rank + 1])
+        El = E // world
+        pf = All2AllPrepareFinalize(timeout_s=60)
+        placement = ExpertPlacement(E, El, contiguous_expert_map(E, world, rank))
+        prep = pf.prepare(hidden[s:e], weights[s:e], ids[s:e], quant=quant, placement=placement)
+        R = prep.a1q.shape[0]
+        got_ids = prep.topk_ids.view(-1).long()
+        local = got_ids - rank * El
+        tag = f"rank {rank} Ms={Ms} E={E} topk={topk} {quant.value}"
+        if prep.topk_ids.dtype != id_dtype or tuple(prep.topk_ids.shape) != (R, 1):
+            problems.append(f"{tag}: ids {prep.topk_ids.dtype} {tuple(prep.topk_ids.shape)}")
+        if R and not bool(((local >= 0) & (local < El)).all()):
+            problems.append(f"{tag}: received ids {got_ids.tolist()} not owned")
+        counts = torch.bincount(local, minlength=El).to(torch.int32)
+        meta = prep.tokens_meta
+        same = torch.equal(meta.expert_num_tokens, counts) and torch.equal(meta.expert_num_tokens_cpu, counts)
+        if not same:
+            problems.append(f"{tag}: tokens_meta {meta.expert_num_tokens.tolist()} != {counts.tolist()}")
+        if not torch.equal(prep.topk_weights, torch.ones(R, 1)):
+            problems.append(f"{tag}: received weights are not ones")
+        if prep.a1q_scale is None:
+            rows = prep.a1q.float()
+        else:
+            rows = dequantize_fp8_per_token_group(prep.a1q, prep.a1q_scale)
+        out = pf.finalize(rows.to(torch.float32).view(R, 1, K), prep, output=torch.empty(e - s, K))
+        x = hidden[s:e]
+        if quant is QuantScheme.FP8_BLOCK:
+            x = dequantize_fp8_per_token_group(*quantize_fp8_per_token_group(x))
+        valid_w = (weights[s:e] * (ids[s:e] >= 0)).sum(dim=1, keepdim=True)
+        if not torch.allclose(out, valid_w * x, atol=1e-6, rtol=1e-6):
+            problems.append(f"{tag}: combine mismatch {float((out - valid_w * x).abs().max())}")
+    return problems
+
+
+def _stage_matrix(world):
+    quants = (QuantScheme.NONE, QuantScheme.FP8_BLOCK)
+    grid = itertools.product(MS[world], (8, 16), (1, 2, 4), quants)
+    return [(Ms, E, topk, q, (torch.int32, torch.int64)[i % 2]) for i, (Ms, E, topk, q) in enumerate(grid)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_stage_dispatch_and_combine_exact(world):
+    results = launch(stage_cases, world, backend="gloo", args=(_stage_matrix(world),), timeout_s=TIMEOUT)
+    assert results == [[]] * world, "\n".join(p for r in results for p in r)
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole modular kernel on every rank
+
+
+def _mk_matrix(world):
+    """A covering set (not the full product): every E, topk, chunking and experts kind appears."""
+    cases = []
+    for i, (Ms, (E, topk)) in enumerate(itertools.product(MS[world], [(8, 1), (16, 2), (8, 4)])):
+        chunk = (None, 4)[i % 2]
+        cases.append(EPConfig(Ms, E=E, topk=topk, K=64, N=64, chunk_size=chunk, experts="triton"))
+    for i, Ms in enumerate(MS[world][:2]):
+        E, topk = ((16, 2), (8, 4))[i % 2]
+        cases.append(EPConfig(Ms, E=E, topk=topk, K=128, N=256, chunk_size=(4, None)[i % 2],
+                              experts="triton_or_deep_gemm", quant="fp8_block"))
+    return cases
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_modular_kernel_matches_reference_on_every_rank(world):
+    cases = _mk_matrix(world)
+    per_rank = launch(run_cases, world, backend="gloo", args=(cases,), timeout_s=3 * TIMEOUT)
+    for rank, results in enumerate(per_rank):
+        for case, r in zip(cases, results, strict=True):
+            assert r.error is None and r.close, f"rank {rank} {case}: {r.error or r.max_abs_err}"
+            assert r.output.shape == (case.Ms[rank], case.K)
+            assert sum(r.tokens_meta) == r.received
+            if r.counts.numel():  # per-chunk counts sum to what prepare returned
+                assert r.counts.sum(0).tolist() == r.tokens_meta
+
+
+def test_whole_batch_metadata_is_stale_for_deep_gemm():
+    """Bug 2 where it bites: every chunk gets the whole batch's counts; DeepGemm sizes from them."""
+    common = dict(E=8, topk=2, K=128, N=128, chunk_size=8, experts="deep_gemm", quant="fp8_block",
+                  empty_slots=False, skew=0.0)
+    # Each rank receives more than 8 rows (17 and 11), so on every rank chunk 0 is told too many.
+    stale = EPConfig((8, 6), metadata_policy="whole_batch", **common)
+    fixed = EPConfig((8, 6), metadata_policy="per_chunk", **common)
+    per_rank = launch(run_cases, 2, backend="gloo", args=([stale, fixed],), timeout_s=3 * TIMEOUT)
+    for results in per_rank:
+        bad, good = results
+        assert bad.received > 8 and (bad.error or "").startswith("StaleMetadataError"), bad.error
+        assert good.error is None and good.close, good.max_abs_err
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad inputs. Placement errors are the same on every rank and raise before any exchange; a bad
+# id on one rank travels with the split sizes, so that every rank raises instead of waiting.
+
+
+def bad_inputs(rank: int, world: int) -> list[str]:
+    pf = All2AllPrepareFinalize(timeout_s=30)
+    hidden, weights, ids = torch.randn(3, 8), torch.rand(3, 2), torch.tensor([[0, 1], [2, 3], [1, 0]])
+    caught = []
+    attempts = {
+        "no map": ExpertPlacement(4, 2, None),
+        "wrong map": ExpertPlacement(4, 2, contiguous_expert_map(4, world, (rank + 1) % world)),
+        "E != W * E_local": ExpertPlacement(6, 2, torch.full((6,), -1, dtype=torch.int32)),
+    }
+    for what, placement in attempts.items():
+        try:
+            pf.prepare(hidden, weights, ids, quant=QuantScheme.NONE, placement=placement)
+        except InvalidInputError as e:
+            caught.append(f"{what}: {type(e).__name__}")
+    try:
+        placement = ExpertPlacement(4, 2, contiguous_expert_map(4, world, rank))
+        pf.prepare(hidden, weights, ids + 4 * (rank == 0), quant=QuantScheme.NONE, placement=placement)
+    except InvalidIdsError as e:
+        caught.append(f"id >= E: {type(e).__name__} {'rank(s) [0]' in str(e)}")
+    # The stage is still usable afterwards: the failed call left no exchange half done.
+    out = pf.prepare(hidden, weights, ids, quant=QuantScheme.NONE, placement=placement)
+    caught.append(f"then ok: {out.a1q.shape[0] > 0}")
+    return caught
+
+
+def test_bad_inputs_raise_named_errors():
+    results = launch(bad_inputs, 2, backend="gloo", timeout_s=TIMEOUT)
+    assert results[0] == results[1] == [
+        "no map: InvalidInputError",
+        "wrong map: InvalidInputError",
+        "E != W * E_local: InvalidInputError",
+        "id >= E: InvalidIdsError True",
+        "then ok: True",
+    ]
+
+
+def test_needs_a_process_group():
+    pf = All2AllPrepareFinalize()
+    assert pf.collective, "the modular kernel must not skip prepare/finalize when M == 0"
+    with expect_raises(DistributedError, match="init_from_env"):
+        pf.prepare(torch.randn(2, 8), torch.rand(2, 1), torch.zeros(2, 1, dtype=torch.int32),
+                   quant=QuantScheme.NONE, placement=ExpertPlacement(2, 2, None))
