@@ -6,7 +6,8 @@
 - Weights: one fp32 scale per 128x128 block, row-major ``[E, N/128, K/128]``.
 
 ``x ~= dequantize(q, scale)``; the relative error of one element is at most 2**-4 (e4m3 keeps 3
-mantissa bits), and values smaller than ``amax / 448 * 2**-9`` flush to zero.
+mantissa bits) down to the subnormal range. Below it the error is absolute: values smaller than
+half of ``amax / 448 * 2**-9`` (the smallest subnormal step) flush to zero.
 """
 
 from __future__ import annotations

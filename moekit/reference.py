@@ -31,8 +31,8 @@ def local_expert_ids(
     """Map global ids to local ids; -1 where the slot is empty or its expert is not local.
 
     Without a map, ids outside ``[0, num_local_experts)`` are not local. With a map, negative
-    ids and ids beyond the map are not local (moekit's kernels reject ids beyond the map; the
-    reference is lenient so it can describe any input).
+    ids and ids beyond the map are not local. moekit's kernels behave the same way: they ignore
+    such ids, without reading past the map and without a host sync.
     """
     ids = topk_ids.long()
     if expert_map is None:
@@ -80,8 +80,12 @@ def moe_reference(
     """
     M, K = hidden.shape
     E_local = w1.shape[0]
-    if expert_map is not None and global_num_experts is not None:
-        assert expert_map.numel() == global_num_experts, "expert_map length != global_num_experts"
+    if expert_map is not None and global_num_experts is not None and expert_map.numel() != global_num_experts:
+        from moekit.errors import InvalidInputError
+
+        raise InvalidInputError(
+            f"expert_map has {expert_map.numel()} entries, expected global_num_experts={global_num_experts}"
+        )
     x = hidden.float()
     local = local_expert_ids(topk_ids, E_local, expert_map)  # [M, topk]
     per_slot = torch.zeros(M, topk_ids.shape[1], K, dtype=torch.float32, device=hidden.device)

@@ -25,7 +25,8 @@ def check_ids(topk_ids: torch.Tensor, *, name: str = "topk_ids", rank: int | Non
             f"got {kind} {topk_ids.dtype}"
         )
     if rank is not None and topk_ids.dim() != rank:
-        raise InvalidIdsError(f"{name} must be {rank}-D [M, topk], got shape {tuple(topk_ids.shape)}")
+        layout = "[M, topk]" if rank == 2 else "[num_global_experts]" if name == "expert_map" else ""
+        raise InvalidIdsError(f"{name} must be {rank}-D {layout}, got shape {tuple(topk_ids.shape)}".replace(" ,", ","))
     if not topk_ids.is_contiguous():
         raise InvalidIdsError(
             f"{name} must be contiguous (got strides {topk_ids.stride()} for shape {tuple(topk_ids.shape)}); "
@@ -38,7 +39,9 @@ def check_expert_map(expert_map: torch.Tensor | None, *, num_local_experts: int,
     if expert_map is None:
         return
     check_ids(expert_map, name="expert_map", rank=1)
-    if expert_map.device.type != torch.device(device).type:
+    if expert_map.device != torch.device(device) and not (
+        expert_map.device.type == torch.device(device).type == "cuda" and torch.device(device).index is None
+    ):
         raise InvalidIdsError(f"expert_map is on {expert_map.device}, topk_ids on {device}")
 
 
