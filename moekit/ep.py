@@ -19,6 +19,7 @@ notebooks and tests can hand it to :func:`moekit.distributed.launch`.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass, field
 
@@ -162,11 +163,12 @@ def run_rank(rank: int, world_size: int, config: EPConfig, *, gather: bool = Tru
         except AssertionError:
             close = False
     counts = trace.counts_matrix()
-    handle = kernel.prepare_finalize.last_handle
-    result = RankResult(rank, end - start, sum(handle.recv_splits), out, ref, err, close, counts,
-                        trace.backends, handle.recv_counts.sum(0).tolist())
+    handle = kernel.prepare_finalize.last_handle  # None when the forward failed before dispatch
+    recv = list(handle.recv_splits) if handle is not None else []
+    per_expert = handle.recv_counts.sum(0).tolist() if handle is not None else []
+    result = RankResult(rank, end - start, sum(recv), out, ref, err, close, counts, trace.backends, per_expert)
     result.error = error
-    result.received_from = list(handle.recv_splits)
+    result.received_from = recv
     if error is None and gather and world_size > 1:
         gathered = gather_traces(trace)
         result.all_counts = gathered if rank == 0 else []
@@ -223,18 +225,16 @@ def main(argv=None) -> int:
     from moekit.distributed import init_from_env, launch
 
     args = _parse(argv)
-    if args.world_size is None:  # torchrun, or a single process
+    if args.world_size is None and "RANK" not in os.environ:  # neither torchrun nor --world-size
+        args.world_size = 1
+    if args.world_size is None:  # torchrun
         rank, world_size = init_from_env(backend=args.backend, timeout_s=args.timeout)
         result = run_rank(rank, world_size, _config(args, world_size))
-        everything: list = [None] * world_size
-        if world_size > 1:
-            dist.all_gather_object(everything, _summary(result))
-            dist.destroy_process_group()
-        else:
-            everything = [_summary(result)]
+        results: list = [None] * world_size
+        dist.all_gather_object(results, _summary(result))
+        dist.destroy_process_group()
         if rank != 0:
-            return 0
-        results = everything
+            return 0 if all(r.close for r in results) else 1
     else:
         config = _config(args, args.world_size)
         results = launch(run_rank, args.world_size, backend=args.backend, args=(config,),

@@ -18,10 +18,20 @@ pytestmark = pytest.mark.distributed
 
 
 # Rank functions live at module level: spawned ranks import them by name.
+class FakeTrace:
+    def __init__(self, rank):
+        self.rank = rank
+
+    def counts_matrix(self):
+        return torch.full((self.rank + 1, 3), self.rank, dtype=torch.int64)
+
+
 def sum_ranks(rank, world, offset):
     t = torch.tensor([rank + offset])
     dist.all_reduce(t)
-    return {"rank": rank, "world": world, "sum": t, "interpreter": os.environ.get("TRITON_INTERPRET")}
+    gathered = gather_traces(FakeTrace(rank))
+    return {"rank": rank, "world": world, "sum": t, "interpreter": os.environ.get("TRITON_INTERPRET"),
+            "gathered": gathered}
 
 
 def fail_on_one(rank, world):
@@ -44,19 +54,14 @@ def hang_on_one(rank, world):
     return rank
 
 
-def gather_fake_traces(rank, world):
-    class FakeTrace:
-        def counts_matrix(self):
-            return torch.full((rank + 1, 3), rank, dtype=torch.int64)
-
-    return gather_traces(FakeTrace())
-
-
-def test_launch_returns_every_rank_in_order_and_sets_up_moekit():
+def test_launch_returns_every_rank_in_order_and_gathers():
     results = launch(sum_ranks, 2, backend="gloo", args=(10,), timeout_s=60)
     assert [r["rank"] for r in results] == [0, 1]
     assert all(r["world"] == 2 and r["sum"].item() == 21 for r in results)
     assert all(r["interpreter"] == "1" for r in results)  # children import moekit before kernels
+    for r in results:  # gather_traces: every rank's [chunks, E_local] counts, on every rank
+        assert [tuple(c.shape) for c in r["gathered"]] == [(1, 3), (2, 3)]
+        assert r["gathered"][1].unique().tolist() == [1]
 
 
 def test_failing_rank_traceback_reaches_the_caller():
@@ -78,13 +83,6 @@ def test_hanging_rank_times_out():
     with expect_raises(DistributedError):
         launch(hang_on_one, 2, backend="gloo", timeout_s=5)
     assert time.monotonic() - start < 30
-
-
-def test_gather_traces_returns_every_rank_counts():
-    results = launch(gather_fake_traces, 2, backend="gloo", timeout_s=60)
-    for gathered in results:
-        assert [tuple(c.shape) for c in gathered] == [(1, 3), (2, 3)]
-        assert gathered[1].unique().tolist() == [1]
 
 
 def test_bad_arguments():
@@ -139,3 +137,13 @@ def test_results_move_to_cpu_recursively():
     out = _to_cpu({"a": [x * 2, (x,)], "b": _Box(x, [x]), "c": 3})
     assert not out["a"][0].requires_grad and out["c"] == 3
     assert isinstance(out["b"], _Box) and out["b"].items[0].device.type == "cpu"
+
+
+def test_ep_cli_runs_every_rank_and_prints_counts(capsys):
+    from moekit.ep import main
+
+    argv = ["--world-size", "2", "--M", "9,0", "--E", "4", "--topk", "2", "--K", "32", "--N", "32",
+            "--chunk-size", "4", "--timeout", "120"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "rank 1: M=0 tokens" in out and "chunk 0 [triton]" in out and "MISMATCH" not in out
