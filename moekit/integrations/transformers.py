@@ -6,7 +6,7 @@ transformers 5 keeps a MoE layer's experts as two stacked tensors, ``gate_up_pro
 ``transformers.integrations.moe.ExpertsInterface``, so registering a function under a name is
 all it takes::
 
-    import moekit.integrations.transformers as moekit_hf
+    import moekit.integrations.transformers as moekit_hf   # on a CPU: before transformers
     moekit_hf.register(chunk_size=16)
     model = AutoModelForCausalLM.from_config(cfg, experts_implementation="moekit")
     model(input_ids)
@@ -66,6 +66,7 @@ class Settings:
     pools: dict = field(default_factory=dict)  # device -> WorkspacePool, shared by all layers
 
     def build_kernel(self, device: torch.device):
+        """A new ModularKernel for one layer, on this setting's shared pool for ``device``."""
         from moekit.modular_kernel import ModularKernel
         from moekit.prepare_finalize import NoEPPrepareFinalize
         from moekit.workspace import WorkspacePool
@@ -109,6 +110,7 @@ def register(
     Raises:
         OptionalDependencyError: transformers is not installed (``pip install 'moekit[hf]'``).
         InvalidInputError, ChunkSizeError: bad ``experts``, ``chunk_size`` or options.
+        BackendUnavailableError: on a CPU, Triton was imported before moekit (import moekit first).
     """
     moe = _hf_moe()
     _check_import_order()
