@@ -10,11 +10,14 @@ port (127.0.0.1), calls ``fn(rank, world_size, *args)`` in each, and returns the
 values in rank order (tensors come back on the CPU). ``fn`` must be importable (defined in a
 module, not in a notebook cell), because spawned processes find it by name.
 
-Several hosts (or one host with torchrun), e.g. 2 nodes with 8 GPUs each::
+Several hosts (or one host with torchrun), e.g. 2 nodes with 8 GPUs each; run on every node,
+with ``--node-rank 0`` on ``host0`` and ``--node-rank 1`` on the other::
 
-    torchrun --nnodes 2 --nproc-per-node 8 --node-rank <0|1> \\
-             --rdzv-backend c10d --rdzv-endpoint <host0>:29500 \\
+    torchrun --nnodes 2 --nproc-per-node 8 --node-rank 0 \\
+             --master-addr host0 --master-port 29500 \\
              -m moekit.ep --M 256 --E 64 --topk 8 --chunk-size 64
+
+(E must split evenly over the 16 ranks.)
 
 Inside such a process call :func:`init_from_env` (``moekit.ep`` does) to join the group that
 torchrun describes in ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``.
