@@ -109,12 +109,16 @@ def _mk_matrix(world):
         E, topk = ((16, 2), (8, 4))[i % 2]
         cases.append(EPConfig(Ms, E=E, topk=topk, K=128, N=256, chunk_size=(4, None)[i % 2],
                               experts="triton_or_deep_gemm", quant="fp8_block"))
+    if world == 2:  # enough received rows that a chunk of 128 crosses to DeepGemm, the rest to Triton
+        cases.append(EPConfig((80, 70), E=8, topk=2, K=128, N=256, chunk_size=128, skew=0.0,
+                              experts="triton_or_deep_gemm", quant="fp8_block"))
     return cases
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_modular_kernel_matches_reference_on_every_rank(world):
     cases = _mk_matrix(world)
+    crossed = False
     per_rank = launch(run_cases, world, backend="gloo", args=(cases,), timeout_s=3 * TIMEOUT)
     for rank, results in enumerate(per_rank):
         for case, r in zip(cases, results, strict=True):
@@ -123,6 +127,10 @@ def test_modular_kernel_matches_reference_on_every_rank(world):
             assert sum(r.tokens_meta) == r.received
             if r.counts.numel():  # per-chunk counts sum to what prepare returned
                 assert r.counts.sum(0).tolist() == r.tokens_meta
+            if case.chunk_size == 128 and r.received > 128:  # the switch inside one rank's forward
+                assert r.backends[0].startswith("deep_gemm") and r.backends[-1] == "triton", r.backends
+                crossed = True
+    assert world != 2 or crossed
 
 
 def test_whole_batch_metadata_is_stale_for_deep_gemm():
