@@ -122,8 +122,29 @@ def _probe() -> tuple[DeepGemmStatus, ModuleType | None]:
     if api is None:
         known = ", ".join(gemm for _, gemm, _ in _APIS)
         return DeepGemmStatus(False, f"deep_gemm has none of the known contiguous GEMMs ({known})"), None
+    missing_tool = _missing_jit_tools()
+    if missing_tool:
+        return DeepGemmStatus(False, missing_tool), None
     version = getattr(module, "__version__", "unknown version")
     return DeepGemmStatus(True, f"deep_gemm {version} ({api} API) on {gpu}", api), module
+
+
+def _missing_jit_tools() -> str | None:
+    """deep_gemm JIT-compiles its kernels with nvcc and names them with cuobjdump, both from
+    CUDA_HOME. Without them the import works but the first GEMM fails (an os.path.join(None)
+    TypeError in 1.0), so check here, where the reason can be reported."""
+    import os
+    import shutil
+
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    nvcc = os.environ.get("DG_JIT_NVCC_COMPILER") or (home and os.path.join(home, "bin", "nvcc"))
+    nvcc = nvcc or shutil.which("nvcc")
+    if not nvcc or not os.path.exists(nvcc):
+        return "deep_gemm needs nvcc for its JIT: set CUDA_HOME (or DG_JIT_NVCC_COMPILER)"
+    cuobjdump = os.path.join(os.path.dirname(nvcc), "cuobjdump")
+    if not os.path.exists(cuobjdump) and not shutil.which("cuobjdump"):
+        return f"deep_gemm needs cuobjdump beside {nvcc} for its JIT"
+    return None
 
 
 def _load() -> tuple[DeepGemmStatus, ModuleType | None]:
