@@ -29,8 +29,15 @@ _LAZY = {
 }
 
 
+_SUBMODULES = {"api", "bench", "experts", "integrations", "kernels", "prepare_finalize", "testing", "viz", "widgets"}
+
+
 def __getattr__(name):
     # Kernel modules load on first use, so `import moekit` stays quick.
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"moekit.{name}")
     if name in _LAZY:
         import importlib
 

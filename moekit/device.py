@@ -10,18 +10,52 @@ Set ``MOEKIT_DEVICE=cpu`` to force the interpreter on a machine that has a GPU.
 from __future__ import annotations
 
 import os
+import sys
+import warnings
 from dataclasses import dataclass
 
-import torch
+# Was Triton imported (by transformers, say) before the switch below could be set? Then Triton's
+# own helpers (tl.zeros_like & co.) were built for a GPU, and kernels fail in the interpreter.
+_TRITON_FIRST = "triton.language" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+
+import torch  # noqa: E402
 
 _FORCED = os.environ.get("MOEKIT_DEVICE", "").strip().lower()
 _HAS_CUDA = torch.cuda.is_available() and _FORCED != "cpu"
 
 if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    if _TRITON_FIRST:
+        warnings.warn(
+            "triton was imported before moekit on a machine without a GPU, so Triton's interpreter "
+            "could not be switched on in time and moekit's kernels will fail. Import moekit first "
+            "(before transformers, vllm or triton).",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 INTERPRETING: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 DEVICE: torch.device = torch.device("cuda") if _HAS_CUDA and not INTERPRETING else torch.device("cpu")
+
+
+def check_import_order() -> None:
+    """Raise BackendUnavailableError if Triton was imported before moekit on a CPU machine.
+
+    Then Triton's own library (``tl.sum``, ``tl.zeros_like``...) was built for a GPU, and every
+    moekit kernel fails inside the interpreter with a cryptic error.
+    """
+    if not INTERPRETING:
+        return
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(tl.standard.zeros_like, InterpretedFunction):
+        from moekit.errors import BackendUnavailableError
+
+        raise BackendUnavailableError(
+            "triton was imported before moekit, so its interpreter switch (TRITON_INTERPRET=1) came "
+            "too late: import moekit before transformers, vllm or triton."
+        )
 
 
 def get_device() -> torch.device:

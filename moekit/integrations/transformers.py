@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 import torch
 
 from moekit.errors import (
-    BackendUnavailableError,
     InvalidInputError,
     OptionalDependencyError,
     UnsupportedModelError,
@@ -181,22 +180,10 @@ def _forward(settings: Settings, module, hidden_states, top_k_index, top_k_weigh
 
 
 def _check_import_order() -> None:
-    # transformers imports Triton. If that happened before moekit switched Triton to its CPU
-    # interpreter, Triton's own library (tl.sum, tl.zeros_like, ...) was built for a GPU, and
-    # moekit's kernels fail inside the interpreter with a cryptic error. Say so up front.
     from moekit import device
 
-    if not device.interpreting():
-        return
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
+    device.check_import_order()
 
-    if not isinstance(tl.standard.zeros_like, InterpretedFunction):
-        raise BackendUnavailableError(
-            "Triton was imported (by transformers?) before moekit turned on Triton's CPU "
-            "interpreter, so Triton's library functions were compiled for a GPU and moekit's kernels "
-            "cannot run here. Import moekit first: put `import moekit` above `import transformers`."
-        )
 
 
 def _experts_factory(experts) -> Callable[[], Experts]:
