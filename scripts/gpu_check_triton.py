@@ -12,9 +12,12 @@ For M in {1, 128, 4096, 16384} and bf16 then fp8 block (about 2-3 minutes, mostl
    experts alone (align, GEMM1, activation, GEMM2: no prepare/finalize), align alone, and the
    floor ``max(bytes / 4.3 TB/s, flops / peak)`` (bytes: weights of the experts hit plus
    activations; peak 790 TF/s bf16, 1365 TF/s fp8);
-3. a sweep of candidate tiles for each GEMM separately (each checked against the first
-   candidate's output), then the layer with the fastest pair. The "suggested table" JSON it prints can
-   replace the buckets of ``moekit/configs/fused_moe.json``.
+3. the same with ``TritonExperts(fuse_activation=True)`` (silu_and_mul, and for fp8 the
+   requantization, in GEMM1's epilogue);
+4. a sweep of candidate tiles for GEMM1, gated GEMM1 and GEMM2 separately (each checked against
+   the first candidate's output), then the layer with the fastest tiles. The "suggested table"
+   entries it prints are the ``gemm1`` / ``gemm1_gated`` / ``gemm2`` keys of a bucket of
+   ``moekit/configs/fused_moe.json``.
 
 Prints tables; writes ``$OUT/gpu_check_triton.json`` when ``OUT`` is set (after every row).
 """
@@ -26,6 +29,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
@@ -40,7 +44,7 @@ from moekit import QuantScheme
 from moekit.experts.triton import TritonExperts
 from moekit.kernels.align import moe_align_block_size
 from moekit.kernels.configs import KernelConfig, get_config
-from moekit.kernels.fused_moe import fused_moe_gemm
+from moekit.kernels.fused_moe import GatedOutput, fused_moe_gemm
 from moekit.prepare_finalize.no_ep import NoEPPrepareFinalize
 from moekit.quant import dequantize_fp8_block, quantize_fp8_block
 from moekit.quant import dequantize_fp8_per_token_group as dq_act
@@ -59,22 +63,21 @@ def C(bm, bn, bk, g, w, s):
     return KernelConfig(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=g, num_warps=w, num_stages=s)
 
 
-# Candidates per bucket of rows per expert (r = M * topk / E), for both GEMMs.
+# Candidates per bucket of rows per expert (r = M * topk / E). GEMM1 and GEMM2 try them all; the
+# gated GEMM1 (silu_and_mul fused, two accumulators per program) tries the first GATED_TRIES.
 CANDIDATES = {
     "bf16": {
-        "decode": [C(16, 64, 128, 1, 4, 4), C(16, 32, 128, 1, 4, 4), C(16, 128, 128, 1, 4, 3),
-                   C(16, 64, 256, 1, 4, 3)],
-        "mid": [C(64, 128, 64, 8, 4, 4), C(128, 128, 64, 8, 8, 3), C(64, 256, 64, 8, 8, 3),
-                C(128, 256, 64, 8, 8, 3)],
-        "large": [C(128, 128, 64, 8, 8, 3), C(128, 256, 64, 8, 8, 3), C(128, 128, 64, 8, 8, 4),
-                  C(64, 256, 64, 8, 8, 3)],
+        "decode": [C(16, 64, 128, 1, 4, 4), C(16, 32, 128, 1, 4, 4), C(16, 128, 128, 1, 4, 3)],
+        "mid": [C(64, 128, 64, 8, 4, 4), C(128, 128, 64, 8, 8, 3), C(64, 256, 64, 8, 8, 3)],
+        "large": [C(128, 128, 64, 8, 8, 3), C(128, 256, 64, 8, 8, 3), C(128, 128, 64, 8, 8, 4)],
     },
     "fp8": {
-        "decode": [C(16, 64, 128, 1, 4, 4), C(16, 32, 128, 1, 4, 4), C(16, 128, 128, 1, 4, 3)],
-        "mid": [C(64, 128, 128, 8, 4, 3), C(128, 128, 128, 8, 8, 3), C(64, 256, 128, 8, 8, 3)],
-        "large": [C(128, 128, 128, 8, 8, 3), C(128, 256, 128, 8, 8, 3), C(64, 256, 128, 8, 8, 3)],
+        "decode": [C(16, 64, 128, 1, 4, 4), C(16, 32, 128, 1, 4, 4)],
+        "mid": [C(64, 128, 128, 8, 4, 3), C(128, 128, 128, 8, 8, 3)],
+        "large": [C(128, 128, 128, 8, 8, 3), C(128, 256, 128, 8, 8, 3)],
     },
 }
+GATED_TRIES = 2
 
 
 def bucket(r: float) -> str:
@@ -91,15 +94,21 @@ def bench_us(fn, graph: bool) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e3
 
 
-def fp8_reference(hidden, q1, q2, weights, ids, s1, s2):
-    """fp32 layer on fp8-quantized input and weights, with the intermediate requantized."""
+def fp8_reference(hidden, q1, q2, weights, ids, s1, s2, *, round_bf16=True):
+    """fp32 layer on fp8-quantized input and weights, with the intermediate requantized.
+
+    ``round_bf16``: GEMM1's output is rounded to bf16 before the activation, as the separate
+    kernels do; the fused epilogue quantizes the fp32 value. Near a rounding boundary of e4m3,
+    that one bf16 rounding flips a code, so each path is checked against its own reference.
+    """
     x = dq_act(*q_act(hidden))
     w1, w2 = dequantize_fp8_block(q1, s1), dequantize_fp8_block(q2, s2)
     out = torch.zeros(*ids.shape, w2.shape[1], device=hidden.device)
     for e in range(w1.shape[0]):
         rows, slots = torch.nonzero(ids == e, as_tuple=True)
         if rows.numel():
-            y = silu_and_mul((x[rows] @ w1[e].t()).bfloat16().float())
+            h = x[rows] @ w1[e].t()
+            y = silu_and_mul(h.bfloat16().float() if round_bf16 else h)
             out[rows, slots] = dq_act(*q_act(y)) @ w2[e].t()
     return (out * weights.unsqueeze(-1)).sum(dim=1)
 
@@ -143,15 +152,16 @@ def main() -> None:
             row = run_case(kind, M, E, topk, K, N, dev, (wa, wb, scales), (w1, w2, q1, q2, s1, s2), t0)
             rows.append(row)
             if "best_gemm1" in row:
-                suggested.setdefault(kind, {})[f"M={M} (r={M * topk / E:g})"] = dict(
-                    gemm1=row["best_gemm1"], gemm2=row["best_gemm2"])  # fmt: skip
+                suggested.setdefault(kind, {})[f"M={M} (r={M * topk / E:g})"] = {
+                    k: row[f"best_{k}"] for k in ("gemm1", "gemm1_gated", "gemm2")}  # fmt: skip
             save()
             print(_line(row), flush=True)
     print("\nsuggested table (fastest tile per GEMM and M):")
     for kind, per_m in suggested.items():
-        for key, pair in per_m.items():
-            pad = " " * (len(kind) + len(key) + 1)
-            print(f"  {kind} {key}: gemm1 {json.dumps(pair['gemm1'])}\n  {pad}  gemm2 {json.dumps(pair['gemm2'])}")
+        for key, best in per_m.items():
+            print(f"  {kind} {key}:")
+            for name, cfg in best.items():
+                print(f'      "{name}": {json.dumps(cfg)},')
     print(f"total {time.time() - t0:.0f} s")
 
 
@@ -168,21 +178,24 @@ def run_case(kind, M, E, topk, K, N, dev, weights_used, all_weights, t0) -> dict
                vllm_us=VLLM_US.get((kind, M)), floor_us=round(floor_us(M, ids, K, N, topk, kind), 1))  # fmt: skip
     graph = M <= 128
 
-    def layer(configs=None):
-        experts = TritonExperts(quant=quant, configs=configs)
+    def layer(configs=None, fused=False):
+        experts = TritonExperts(quant=quant, configs=configs, fuse_activation=fused)
         mk = moekit.ModularKernel(NoEPPrepareFinalize(), experts, trace_counts=False)
         return lambda: mk(hidden, wa, wb, weights, ids, **scales)
 
-    try:  # 1. correctness
-        out = layer()().float()
-        if kind == "fp8":
-            ref = fp8_reference(hidden, q1, q2, weights, ids, s1, s2)
-        else:
-            ref = moe_reference(hidden, w1, w2, weights, ids)
-        err = float((out - ref).abs().max() / ref.abs().max())
-        row.update(max_err_rel=round(err, 5), ok=err < 2e-2)
+    try:  # 1. correctness, separate and fused activation
+        for fused in (False, True):
+            if kind == "fp8":
+                ref = fp8_reference(hidden, q1, q2, weights, ids, s1, s2, round_bf16=not fused)
+            elif not fused:
+                ref = moe_reference(hidden, w1, w2, weights, ids)
+            out = layer(fused=fused)().float()
+            err = float((out - ref).abs().max() / ref.abs().max())
+            row[f"max_err_rel{'_fused' if fused else ''}"] = round(err, 5)
+        row["ok"] = max(row["max_err_rel"], row["max_err_rel_fused"]) < 2e-2
     except Exception as e:  # keep going: later rows still tell something
         row.update(ok=False, error=f"{type(e).__name__}: {e}"[:300])
+
     def experts_alone():
         experts = TritonExperts(quant=quant)
         prepared = NoEPPrepareFinalize().prepare(hidden, weights, ids, quant=quant, placement=ExpertPlacement(E, E))
@@ -195,6 +208,7 @@ def run_case(kind, M, E, topk, K, N, dev, weights_used, all_weights, t0) -> dict
 
     try:  # 2. layer, experts alone and align with the table's configs
         row["layer_us"] = round(bench_us(layer(), graph), 1)
+        row["layer_fused_us"] = round(bench_us(layer(fused=True), graph), 1)
         row["experts_us"] = round(bench_us(experts_alone(), graph), 1)
         c1 = get_config(M, N, K, E, topk, cdtype, stage=1)
         c2 = get_config(M, K, N // 2, E, topk, cdtype, stage=2)
@@ -207,61 +221,64 @@ def run_case(kind, M, E, topk, K, N, dev, weights_used, all_weights, t0) -> dict
         return row
     try:  # 3. sweep each GEMM, then the layer with the best pair
         sweep(row, kind, M, E, topk, K, N, hidden, ids, wa, wb, scales, graph)
-        best = (KernelConfig(**row["best_gemm1"]), KernelConfig(**row["best_gemm2"]))
-        row["layer_best_us"] = round(bench_us(layer(best), graph), 1)
+        best2 = KernelConfig(**row["best_gemm2"])
+        row["layer_best_us"] = round(bench_us(layer((KernelConfig(**row["best_gemm1"]), best2)), graph), 1)
+        best_gated = (KernelConfig(**row["best_gemm1_gated"]), best2)
+        row["layer_fused_best_us"] = round(bench_us(layer(best_gated, fused=True), graph), 1)
     except Exception as e:
         row["error_sweep"] = f"{type(e).__name__}: {e}"[:300]
     return row
 
 
 def sweep(row, kind, M, E, topk, K, N, hidden, ids, wa, wb, scales, graph):
-    """Time GEMM1 and GEMM2 alone for each candidate; record the fastest of each."""
-    fp8 = kind == "fp8"
-    R = M * topk
+    """Time GEMM1, gated GEMM1 and GEMM2 alone for each candidate; record the fastest of each."""
+    fp8, R, H, dev = kind == "fp8", M * topk, N // 2, hidden.device
     if fp8:
         a1, a1_s = q_act(hidden)
-        mid, mid_s = q_act(torch.randn(R, N // 2, device=hidden.device).bfloat16())
+        mid, mid_s = q_act(torch.randn(R, H, device=dev).bfloat16())
+        out_g = torch.empty(R, H, device=dev, dtype=torch.float8_e4m3fn)
+        gated = GatedOutput(out_scale=torch.empty(R, H // 128, device=dev))
     else:
-        a1, a1_s, mid, mid_s = hidden, None, torch.randn(R, N // 2, device=hidden.device).bfloat16(), None
-    out1 = torch.empty(R, N, device=hidden.device, dtype=torch.bfloat16)
-    out2 = torch.empty(R, K, device=hidden.device, dtype=torch.bfloat16)
+        a1, a1_s, mid, mid_s = hidden, None, torch.randn(R, H, device=dev).bfloat16(), None
+        out_g, gated = torch.empty(R, H, device=dev, dtype=torch.bfloat16), GatedOutput()
     cands = CANDIDATES[kind][bucket(M * topk / E)]
-    results = {1: [], 2: []}
-    refs = {}
-    for cfg in cands:
-        blocks = moe_align_block_size(ids, cfg.BLOCK_M, E, keep_empty=True)
-        for stage, (a, a_s, w, w_s, out, ppr) in {
-            1: (a1, a1_s, wa, scales.get("w1_scale"), out1, topk),
-            2: (mid, mid_s, wb, scales.get("w2_scale"), out2, 1),
-        }.items():
-            fn = lambda: fused_moe_gemm(a, w, out, blocks, pairs_per_row=ppr, config=cfg, a_scale=a_s, w_scale=w_s)  # noqa: B023
+    stages = {  # name: (a, a_scale, w, w_scale, out, pairs_per_row, gated, candidates)
+        "gemm1": (a1, a1_s, wa, scales.get("w1_scale"), torch.empty(R, N, device=dev, dtype=torch.bfloat16),
+                  topk, None, cands),
+        "gemm1_gated": (a1, a1_s, wa, scales.get("w1_scale"), out_g, topk, gated,
+                        [replace(c, BLOCK_N=128) if fp8 else c for c in cands[:GATED_TRIES]]),
+        "gemm2": (mid, mid_s, wb, scales.get("w2_scale"), torch.empty(R, K, device=dev, dtype=torch.bfloat16),
+                  1, None, cands),
+    }  # fmt: skip
+    for name, (a, a_s, w, w_s, out, ppr, g, tries) in stages.items():
+        results, ref = [], None
+        for cfg in dict.fromkeys(tries):  # dedupe, keep order
+            blocks = moe_align_block_size(ids, cfg.BLOCK_M, E, keep_empty=True)
+            kw = dict(pairs_per_row=ppr, config=cfg, a_scale=a_s, w_scale=w_s, gated=g)
+            fn = lambda: fused_moe_gemm(a, w, out, blocks, **kw)  # noqa: B023
             try:
                 fn()
                 got = out.float().clone()
-                if stage not in refs:
-                    refs[stage] = got
-                bad = float((got - refs[stage]).abs().max() / refs[stage].abs().max().clamp_min(1e-6))
-                us = bench_us(fn, graph)
-                results[stage].append((us, cfg, bad))
+                ref = got if ref is None else ref
+                bad = float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6))
+                results.append((bench_us(fn, graph), cfg, bad))
             except Exception as e:
-                results[stage].append((float("inf"), cfg, f"{type(e).__name__}: {e}"[:200]))
-    for stage in (1, 2):
-        table = [dict(cfg=c.launch, us=round(us, 1), diff=b if isinstance(b, str) else round(b, 4))
-                 for us, c, b in results[stage]]  # fmt: skip
-        row[f"sweep_gemm{stage}"] = table
-        ok = [(us, c) for us, c, b in results[stage] if not isinstance(b, str) and b < 2e-2]
-        row[f"best_gemm{stage}"] = min(ok, key=lambda t: t[0])[1].launch if ok else cands[0].launch
-        row[f"best_gemm{stage}_us"] = round(min(ok, key=lambda t: t[0])[0], 1) if ok else None
-    # GEMM1 and GEMM2 share the aligned blocks only when BLOCK_M matches; keep what was found.
+                results.append((float("inf"), cfg, f"{type(e).__name__}: {e}"[:200]))
+        row[f"sweep_{name}"] = [dict(cfg=c.launch, us=round(us, 1), diff=b if isinstance(b, str) else round(b, 4))
+                                for us, c, b in results]  # fmt: skip
+        ok = [(us, c) for us, c, b in results if not isinstance(b, str) and b < 5e-2]  # fp8 codes may flip
+        fastest = min(ok, key=lambda t: t[0]) if ok else (None, tries[0])
+        row[f"best_{name}"], row[f"best_{name}_us"] = fastest[1].launch, fastest[0] and round(fastest[0], 1)
 
 
 def _line(row) -> str:
     f = lambda k: (f"{row[k]:.1f}" if isinstance(row.get(k), float) else str(row.get(k, "-")))
     return (
         f"{row['kind']:>4} M={row['M']:>6}  ok={row.get('ok')} err={row.get('max_err_rel', '-')}  "
-        f"layer {f('layer_us')} us (best tiles {f('layer_best_us')})  experts {f('experts_us')}  "
-        f"align {f('align_us')}  "
-        f"gemm1 {f('best_gemm1_us')} gemm2 {f('best_gemm2_us')}  floor {f('floor_us')}  "
+        f"layer {f('layer_us')} us (best tiles {f('layer_best_us')}; fused act {f('layer_fused_us')}, "
+        f"best {f('layer_fused_best_us')})  experts {f('experts_us')}  align {f('align_us')}  "
+        f"gemm1 {f('best_gemm1_us')} (gated {f('best_gemm1_gated_us')}) gemm2 {f('best_gemm2_us')}  "
+        f"floor {f('floor_us')}  "
         f"target {row.get('target_us') or '-'}  vLLM {row.get('vllm_us') or '-'}"
         + (f"  ERROR {row.get('error') or row.get('error_time') or row.get('error_sweep')}"
            if any(k.startswith("error") for k in row) else "")  # fmt: skip

@@ -11,9 +11,15 @@ Shapes (M tokens in this chunk, topk slots, K hidden, N = w1 rows = 2 x intermed
 
 No tensor is permuted: both GEMMs gather their rows through ``sorted_token_ids`` and scatter
 their results back to the pair's own row.
+
+With ``fuse_activation=True`` GEMM1 applies silu_and_mul (and the fp8 requantization) in its
+epilogue: workspace13 becomes ``[M, topk, N/2]`` (the activation, or its fp8 bytes and scales)
+and workspace2 is empty. One launch and one ``[M*topk, N]`` round trip through memory fewer.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
@@ -22,7 +28,7 @@ from moekit.experts.base import Experts, carve, view_workspace
 from moekit.kernels.activation import silu_and_mul, silu_and_mul_fp8_group
 from moekit.kernels.align import moe_align_block_size
 from moekit.kernels.configs import KernelConfig, get_config
-from moekit.kernels.fused_moe import fused_moe_gemm
+from moekit.kernels.fused_moe import GatedOutput, fused_moe_gemm
 from moekit.types import ActivationFormat, ExpertsCall, ExpertTokensMetadata, ProblemSize, QuantScheme, WorkspaceShapes
 from moekit.validate import check_ids
 
@@ -38,6 +44,9 @@ class TritonExperts(Experts):
             weights with 128x128 block scales, activations with 1x128 group scales).
         configs: force ``(gemm1, gemm2)`` tile configs for every M (benchmarks); by default
             they come from :func:`moekit.kernels.configs.get_config`.
+        fuse_activation: run silu_and_mul (and the fp8 requantization) inside GEMM1's epilogue
+            instead of as a separate kernel (see the module docstring). Off by default: the
+            separate steps are the upstream pipeline that the notebooks take apart.
     """
 
     activation_format = ActivationFormat.STANDARD
@@ -49,8 +58,10 @@ class TritonExperts(Experts):
         *,
         quant: QuantScheme = QuantScheme.NONE,
         configs: tuple[KernelConfig, KernelConfig] | None = None,
+        fuse_activation: bool = False,
     ):
         super().__init__(quant=quant)
+        self.fuse_activation = bool(fuse_activation)
         if configs is not None and (len(configs) != 2 or not all(isinstance(c, KernelConfig) for c in configs)):
             raise InvalidInputError(f"configs must be (KernelConfig, KernelConfig) or None, got {configs!r}")
         self.configs = configs
@@ -62,9 +73,13 @@ class TritonExperts(Experts):
         act_dtype: torch.dtype,
         tokens_meta: ExpertTokensMetadata | None = None,
     ) -> WorkspaceShapes:
-        """``(M, topk, N)``, ``(M * topk, N/2)`` and output ``(M, topk, K)`` in the compute dtype."""
+        """``(M, topk, N)``, ``(M * topk, N/2)`` and output ``(M, topk, K)`` in the compute dtype
+        (fused activation: ``(M, topk, N/2)`` and ``(M * topk, 0)``)."""
         M, N, K, topk = problem.M, problem.N, problem.K, problem.topk
-        return WorkspaceShapes((M, topk, N), (M * topk, N // 2), (M, topk, K), self.compute_dtype(act_dtype))
+        dtype = self.compute_dtype(act_dtype)
+        if self.fuse_activation:
+            return WorkspaceShapes((M, topk, N // 2), (M * topk, 0), (M, topk, K), dtype)
+        return WorkspaceShapes((M, topk, N), (M * topk, N // 2), (M, topk, K), dtype)
 
     def _validate(self, call: ExpertsCall) -> bool:
         h = call.hidden
@@ -110,8 +125,13 @@ class TritonExperts(Experts):
 
     def _configs(self, M: int, N: int, K: int, E: int, topk: int, dtype) -> tuple[KernelConfig, KernelConfig]:
         if self.configs is not None:
-            return self.configs
-        return get_config(M, N, K, E, topk, dtype, stage=1), get_config(M, K, N // 2, E, topk, dtype, stage=2)
+            cfg1, cfg2 = self.configs
+        else:
+            cfg1 = get_config(M, N, K, E, topk, dtype, stage=1, gated=self.fuse_activation)
+            cfg2 = get_config(M, K, N // 2, E, topk, dtype, stage=2)
+        if self.fuse_activation and dtype == FP8:  # one program per 128-wide scale group
+            cfg1 = replace(cfg1, BLOCK_N=128)
+        return cfg1, cfg2
 
     def apply(self, call: ExpertsCall) -> str:
         """Compute one chunk into ``call.output``; returns ``"triton"``."""
@@ -138,6 +158,12 @@ class TritonExperts(Experts):
 
         blocks1 = align(cfg1.BLOCK_M)
         blocks2 = blocks1 if cfg2.BLOCK_M == cfg1.BLOCK_M else align(cfg2.BLOCK_M)
+        static = None
+        if fp8 and call.a2_scale is not None:  # per tensor, or per token (shared by its topk rows)
+            static = call.a2_scale.reshape(-1).float()
+        if self.fuse_activation:
+            self._fused(call, ws13, out.view(R, K), blocks1, blocks2, cfg1, cfg2, static)
+            return "triton"
         h1 = ws13.view(R, N)
         fused_moe_gemm(
             call.hidden, w.w1, h1, blocks1, pairs_per_row=topk, config=cfg1,
@@ -149,15 +175,36 @@ class TritonExperts(Experts):
             return "triton"
         # fp8: activation and requantization in one pass, written into workspace2's bytes
         # (the fp8 values, then their fp32 scales); GEMM1's output in workspace13 is read once.
-        H = N // 2
-        q = carve(ws2, (R, H), dtype=FP8)
-        scale = carve(ws2.view(-1)[R * H // 2 :], (R, H // 128), dtype=torch.float32)
-        static = None
-        if call.a2_scale is not None:  # per tensor, or per token shared by the token's topk rows
-            static = call.a2_scale.reshape(-1).float()
-            static = static if static.numel() == 1 else static.repeat_interleave(topk)
+        q, scale = _fp8_views(ws2, R, N // 2)
+        if static is not None and static.numel() > 1:
+            static = static.repeat_interleave(topk)
         silu_and_mul_fp8_group(h1, out_q=q, out_scale=scale, static_scale=static)
         fused_moe_gemm(
             q, w.w2, out.view(R, K), blocks2, pairs_per_row=1, config=cfg2, a_scale=scale, w_scale=w.w2_scale
         )
         return "triton"
+
+    def _fused(self, call, ws13, out, blocks1, blocks2, cfg1, cfg2, static) -> None:
+        """GEMM1 with silu_and_mul (and fp8 requantization) in its epilogue, then GEMM2."""
+        w, topk = call.weights, call.topk_ids.shape[1]
+        R, H = out.shape[0], w.w1.shape[1] // 2
+        if call.hidden.dtype != FP8:
+            act = ws13.view(R, H)
+            fused_moe_gemm(call.hidden, w.w1, act, blocks1, pairs_per_row=topk, config=cfg1, gated=GatedOutput())
+            fused_moe_gemm(act, w.w2, out, blocks2, pairs_per_row=1, config=cfg2)
+            return
+        q, scale = _fp8_views(ws13, R, H)
+        div = topk if static is not None and static.numel() > 1 else 1
+        fused_moe_gemm(
+            call.hidden, w.w1, q, blocks1, pairs_per_row=topk, config=cfg1,
+            a_scale=call.hidden_scale, w_scale=w.w1_scale,
+            gated=GatedOutput(out_scale=scale, static_scale=static, static_div=div),
+        )  # fmt: skip
+        fused_moe_gemm(q, w.w2, out, blocks2, pairs_per_row=1, config=cfg2, a_scale=scale, w_scale=w.w2_scale)
+
+
+def _fp8_views(buffer: torch.Tensor, R: int, H: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 ``[R, H]`` values, then fp32 ``[R, H/128]`` scales, carved from a bf16 buffer's bytes."""
+    q = carve(buffer, (R, H), dtype=FP8)
+    scale = carve(buffer.reshape(-1)[R * H // 2 :], (R, H // 128), dtype=torch.float32)
+    return q, scale

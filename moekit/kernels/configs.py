@@ -66,7 +66,9 @@ def load_table() -> dict:
     return {k: table[v] if isinstance(v, str) else v for k, v in table.items()}
 
 
-def get_config(M: int, N: int, K: int, E: int, topk: int, dtype: torch.dtype, *, stage: int = 1) -> KernelConfig:
+def get_config(
+    M: int, N: int, K: int, E: int, topk: int, dtype: torch.dtype, *, stage: int = 1, gated: bool = False
+) -> KernelConfig:
     """The config for one GEMM of a layer with M tokens.
 
     Args:
@@ -74,6 +76,8 @@ def get_config(M: int, N: int, K: int, E: int, topk: int, dtype: torch.dtype, *,
             (stage 1: w1's N and K; stage 2: K and N/2). E: global experts. topk: slots per token.
         dtype: compute dtype of the operands (``torch.float8_e4m3fn`` for fp8 block).
         stage: 1 for GEMM1 (gate/up), 2 for GEMM2 (down).
+        gated: GEMM1 with silu_and_mul in its epilogue (two accumulators per program): the
+            bucket's ``gemm1_gated`` entry when it has one, else ``gemm1``.
 
     Returns:
         A :class:`KernelConfig`; under the interpreter, a fixed small-grid config.
@@ -87,12 +91,13 @@ def get_config(M: int, N: int, K: int, E: int, topk: int, dtype: torch.dtype, *,
         raise InvalidInputError(f"stage must be 1 or 2, got {stage!r}")
     if interpreting():
         return _INTERPRETER
-    return table_config(M * topk / max(E, 1), dtype, stage=stage)
+    return table_config(M * topk / max(E, 1), dtype, stage=stage, gated=gated)
 
 
-def table_config(rows_per_expert: float, dtype: torch.dtype, *, stage: int = 1) -> KernelConfig:
+def table_config(rows_per_expert: float, dtype: torch.dtype, *, stage: int = 1, gated: bool = False) -> KernelConfig:
     """The table's entry for ``rows_per_expert`` (the first bucket with ``r <= max_rows``)."""
     for entry in load_table()[_DTYPE_KEYS[dtype]]:
         if entry["max_rows"] is None or rows_per_expert <= entry["max_rows"]:
-            return KernelConfig(**entry[f"gemm{stage}"])
+            key = "gemm1_gated" if stage == 1 and gated and "gemm1_gated" in entry else f"gemm{stage}"
+            return KernelConfig(**entry[key])
     raise InvalidInputError(f"the fused_moe table for {dtype} has no bucket for {rows_per_expert:.3g} rows per expert")

@@ -12,9 +12,13 @@ Shapes (numel = M * topk (token, slot) pairs, E local experts, BM = BLOCK_M)::
 One program computes a ``BLOCK_M x BLOCK_N`` tile: the rows of one block (all the same expert)
 times a column slice of that expert's matrix. Rows are gathered through ``sorted_token_ids``,
 so nothing is permuted in memory. A block of a remote expert (expert id -1) writes zeros.
+GEMM1 can also finish with silu_and_mul (and the fp8 requantization) in its epilogue
+(:class:`GatedOutput`), so the ``[numel, N]`` product never goes to memory.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -28,21 +32,50 @@ from moekit.kernels.configs import KernelConfig
 
 FP8 = torch.float8_e4m3fn
 SCALE_BLOCK = 128
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _mma(acc, a, b, a_s, w_s, IS_FP8: tl.constexpr, UPCAST_BF16: tl.constexpr, DOT_IEEE: tl.constexpr):
+    """acc += a @ b, dequantizing fp8 with one activation scale per row and one weight scale per column."""
+    if IS_FP8:
+        acc += tl.dot(a, b) * (a_s[:, None] * w_s[None, :])
+    else:
+        if UPCAST_BF16:  # the interpreter multiplies bf16 bit patterns in tl.dot
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if DOT_IEEE:  # fp32 stays fp32 (no tf32) so that fp32 results match the reference
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _load(ptrs, mask, EVEN_K: tl.constexpr):
+    if EVEN_K:  # no mask: lets the loads vectorize fully
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=mask, other=0.0)
 
 
 @triton.jit
 def _fused_moe_kernel(
     # Pointers
     a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, sorted_ptr, expert_ids_ptr, post_ptr,
+    out_scale_ptr, static_ptr,
     # Sizes
     N, K, numel, pairs_per_row, num_blocks,
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
     stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk,
+    stride_osm, stride_osg, stride_static, static_div,
     # Meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, IS_FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+    GATED: tl.constexpr, QUANT_OUT: tl.constexpr, STATIC_OUT: tl.constexpr,
     UPCAST_BF16: tl.constexpr, DOT_IEEE: tl.constexpr, FIX_ROUNDING: tl.constexpr,
 ):
+    # N is the output width: with GATED, w has 2N rows (gate rows [0, N), up rows [N, 2N)).
     # GROUP_M row blocks sweep the columns together: neighbouring blocks are usually the same
     # expert, so its weight tiles come from L2 for all of them.
     pid = tl.program_id(0)
@@ -62,9 +95,13 @@ def _fused_moe_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
     out_mask = live[:, None] & (offs_n[None, :] < N)
+    # With QUANT_OUT, BLOCK_N is the 128-wide group: program column pid_n owns scale column pid_n.
+    out_scale_ptrs = out_scale_ptr + pair.to(tl.int64) * stride_osm + pid_n * stride_osg
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     if expert == -1:  # the expert lives on another rank: its rows contribute zero
         tl.store(out_ptrs, tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty), mask=out_mask)
+        if QUANT_OUT:
+            tl.store(out_scale_ptrs, tl.full([BLOCK_M], 1e-10, tl.float32), mask=live)
         return
 
     # Padding rows read row 0 and columns past N wrap around: every load is in bounds without a
@@ -77,73 +114,112 @@ def _fused_moe_kernel(
     if IS_FP8:
         a_scale_ptrs = a_scale_ptr + row * stride_asm
         w_scale_ptrs = w_scale_ptr + expert * stride_wse + (col // SCALE_BLOCK) * stride_wsn
+        w_up_scale_ptrs = w_scale_ptr + expert * stride_wse + ((col + N) // SCALE_BLOCK) * stride_wsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if GATED:
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(w_ptrs)
-        else:
-            k_left = K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-            b = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        a_mask = offs_k[None, :] < K - k * BLOCK_K
+        w_mask = offs_k[:, None] < K - k * BLOCK_K
+        a = _load(a_ptrs, a_mask, EVEN_K)
         if IS_FP8:
             # One 1x128 activation scale per row and one 128x128 weight scale per column block.
             group = (k * BLOCK_K) // SCALE_BLOCK
             a_s = tl.load(a_scale_ptrs + group * stride_ask)
             w_s = tl.load(w_scale_ptrs + group * stride_wsk)
-            acc += tl.dot(a, b) * (a_s[:, None] * w_s[None, :])
         else:
-            if UPCAST_BF16:  # the interpreter multiplies bf16 bit patterns in tl.dot
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            if DOT_IEEE:  # fp32 stays fp32 (no tf32) so that fp32 results match the reference
-                acc = tl.dot(a, b, acc, input_precision="ieee")
+            a_s = 1.0
+            w_s = 1.0
+        acc = _mma(acc, a, _load(w_ptrs, w_mask, EVEN_K), a_s, w_s, IS_FP8, UPCAST_BF16, DOT_IEEE)
+        if GATED:  # the up half: the same rows of a times w rows [N, 2N)
+            if IS_FP8:
+                w_up_s = tl.load(w_up_scale_ptrs + group * stride_wsk)
             else:
-                acc = tl.dot(a, b, acc)
+                w_up_s = 1.0
+            b_up = _load(w_ptrs + N * stride_wn, w_mask, EVEN_K)
+            acc_up = _mma(acc_up, a, b_up, a_s, w_up_s, IS_FP8, UPCAST_BF16, DOT_IEEE)
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += BLOCK_K * stride_wk
 
+    if GATED:  # silu(gate) * up from the fp32 accumulators
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    if QUANT_OUT:  # fp8 with one scale per row of this 128-wide group (as moekit.quant)
+        if STATIC_OUT:
+            scale = tl.load(static_ptr + (tl.where(live, pair, 0) // static_div) * stride_static)
+        else:
+            scale = tl.maximum(tl.max(tl.abs(acc), axis=1) / 448.0, 1e-10)
+        acc = tl.clamp(acc / scale[:, None], -448.0, 448.0)
+        tl.store(out_scale_ptrs, scale, mask=live)
     if FIX_ROUNDING:
         acc = round_for_store(acc, out_ptr.dtype.element_ty)
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-def _check(a, w, out, blocks, pairs_per_row, config, a_scale, w_scale) -> bool:
+@dataclass
+class GatedOutput:
+    """GEMM1's fused epilogue: write ``silu(gate) * up`` instead of the raw product.
+
+    ``w`` holds gate rows then up rows (``[E, 2H, K]``) and ``out`` is ``[numel, H]``. When
+    ``out`` is fp8, the activation is also quantized with one scale per 1 x 128 group (BLOCK_N
+    must be 128): dynamic ``amax / 448`` into ``out_scale``, or ``static_scale`` (1 element,
+    or one per ``static_div`` consecutive pairs, e.g. per token with ``static_div = topk``).
+    """
+
+    out_scale: torch.Tensor | None = None
+    static_scale: torch.Tensor | None = None
+    static_div: int = 1
+
+
+def _check_float_pair(a, w) -> bool:
+    fp8 = a.dtype == FP8
+    if fp8 != (w.dtype == FP8):
+        raise QuantizationError(f"a and w must both be fp8 or both not, got {a.dtype} and {w.dtype}")
+    if not fp8 and (a.dtype != w.dtype or a.dtype not in _FLOATS):
+        raise InvalidInputError(f"a and w must share a float dtype (fp32/fp16/bf16), got {a.dtype} and {w.dtype}")
+    return fp8
+
+
+def _check(a, w, out, blocks, pairs_per_row, config, a_scale, w_scale, gated) -> bool:
     if a.dim() != 2 or w.dim() != 3 or out.dim() != 2:
         raise InvalidInputError(
             f"expected a [rows, K], w [E, N, K], out [numel, N]; got {tuple(a.shape)}, "
             f"{tuple(w.shape)}, {tuple(out.shape)}"
         )
     E, N, K = w.shape
-    if a.shape[1] != K or tuple(out.shape) != (blocks.numel, N):
+    width = N // 2 if gated else N
+    if a.shape[1] != K or tuple(out.shape) != (blocks.numel, width):
         raise InvalidInputError(
-            f"a must be [rows, K={K}] and out [numel={blocks.numel}, N={N}], got {tuple(a.shape)} and {tuple(out.shape)}"
+            f"a must be [rows, K={K}] and out [numel={blocks.numel}, {width}], got {tuple(a.shape)} and {tuple(out.shape)}"
         )
     if not isinstance(pairs_per_row, int) or pairs_per_row <= 0 or a.shape[0] * pairs_per_row < blocks.numel:
-        raise InvalidInputError(
-            f"a has {a.shape[0]} rows for {blocks.numel} pairs at pairs_per_row={pairs_per_row!r}"
-        )
-    if not isinstance(config, KernelConfig):
-        raise InvalidInputError(f"config must be a KernelConfig, got {config!r}")
-    if config.BLOCK_M != blocks.block_m:
-        raise InvalidInputError(f"config.BLOCK_M={config.BLOCK_M} but the blocks were aligned to {blocks.block_m}")
-    if out.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise InvalidInputError(f"out must be fp32/fp16/bf16, got {out.dtype}")
-    fp8 = a.dtype == FP8
-    if fp8 != (w.dtype == FP8):
-        raise QuantizationError(f"a and w must both be fp8 or both not, got {a.dtype} and {w.dtype}")
+        raise InvalidInputError(f"a has {a.shape[0]} rows for {blocks.numel} pairs at pairs_per_row={pairs_per_row!r}")
+    if not isinstance(config, KernelConfig) or config.BLOCK_M != blocks.block_m:
+        raise InvalidInputError(f"config must be a KernelConfig with BLOCK_M={blocks.block_m} (the blocks'), got {config!r}")
+    fp8 = _check_float_pair(a, w)
+    if out.dtype not in _FLOATS and not (gated and out.dtype == FP8):
+        raise InvalidInputError(f"out must be fp32/fp16/bf16 (or fp8 with a GatedOutput), got {out.dtype}")
+    if gated and N % 2:
+        raise InvalidInputError(f"a gated GEMM needs gate and up rows (even N), got N={N}")
+    if gated and out.dtype == FP8:
+        if width % SCALE_BLOCK or config.BLOCK_N != SCALE_BLOCK:
+            raise QuantizationError(f"fp8 output needs N/2 % 128 == 0 and BLOCK_N == 128, got {width}, {config.BLOCK_N}")
+        s, want = gated.out_scale, (blocks.numel, width // SCALE_BLOCK)
+        if s is None or tuple(s.shape) != want or s.dtype != torch.float32:
+            raise QuantizationError(f"fp8 output needs out_scale float32 {want}, got {None if s is None else s.shape}")
+        st = gated.static_scale
+        if st is not None and (st.dtype != torch.float32 or st.numel() not in (1, triton.cdiv(blocks.numel, gated.static_div))):
+            raise QuantizationError(f"static_scale must be float32, 1 or numel/static_div elements, got {st.shape}")
     if not fp8:
-        if a.dtype != w.dtype or a.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise InvalidInputError(f"a and w must share a float dtype (fp32/fp16/bf16), got {a.dtype} and {w.dtype}")
         return False
     want_a, want_w = (a.shape[0], triton.cdiv(K, SCALE_BLOCK)), (E, triton.cdiv(N, SCALE_BLOCK), triton.cdiv(K, SCALE_BLOCK))
     for name, scale, want in (("a_scale", a_scale, want_a), ("w_scale", w_scale, want_w)):
         if scale is None or tuple(scale.shape) != want or scale.dtype != torch.float32:
             got = "None" if scale is None else f"{scale.dtype} {tuple(scale.shape)}"
             raise QuantizationError(f"fp8 needs {name} float32 {want}, got {got}")
-    if SCALE_BLOCK % config.BLOCK_K or K % SCALE_BLOCK:
+    if SCALE_BLOCK % config.BLOCK_K or K % SCALE_BLOCK or (gated and width % SCALE_BLOCK):
         raise QuantizationError(
-            f"fp8 block GEMM needs K % 128 == 0 and BLOCK_K dividing 128, got K={K}, BLOCK_K={config.BLOCK_K}"
+            f"fp8 block GEMM needs K (and a gated N/2) % 128 == 0 and BLOCK_K dividing 128, got K={K}, N={N}, "
+            f"BLOCK_K={config.BLOCK_K}"
         )
     return True
 
@@ -158,6 +234,7 @@ def fused_moe_gemm(
     config: KernelConfig,
     a_scale: torch.Tensor | None = None,
     w_scale: torch.Tensor | None = None,
+    gated: GatedOutput | None = None,
 ) -> torch.Tensor:
     """``out[i] = a[i // pairs_per_row] @ w[expert(i)].T`` for every placed pair i; zeros for remote ones.
 
@@ -168,19 +245,25 @@ def fused_moe_gemm(
             for i in sorted_token_ids[block * BM : (block + 1) * BM]:
                 if i == numel:                     # padding
                     continue
-                out[i] = 0 if e == -1 else a[i // pairs_per_row] @ w[e].T
+                y = a[i // pairs_per_row] @ w[e].T
+                if gated:                          # w = [gate; up]
+                    y = silu(y[:H]) * y[H:]        # (then fp8 + group scales if out is fp8)
+                out[i] = 0 if e == -1 else y
 
     Pairs that ``blocks`` did not place (dropped empty slots) are not written.
 
     Args:
         a: ``[rows, K]`` activations, bf16/fp16/fp32 or fp8 e4m3 (then with ``a_scale``).
         w: ``[E, N, K]`` weights of the same dtype (fp8 with ``w_scale``).
-        out: ``[numel, N]`` destination, bf16/fp16/fp32 (bf16 for fp8); may be a view.
+        out: ``[numel, N]`` (``[numel, N/2]`` when gated) destination, bf16/fp16/fp32 (bf16 for
+            fp8 inputs, or fp8 with ``gated.out_scale``); may be a view with a row stride.
         blocks: from :func:`moekit.kernels.align.moe_align_block_size` with ``config.BLOCK_M``.
         pairs_per_row: pairs that share a row of ``a``: topk for GEMM1, 1 for GEMM2.
         config: tile sizes (:func:`moekit.kernels.configs.get_config`).
         a_scale: fp8 only, float32 ``[rows, K/128]`` (any strides, e.g. column-major).
         w_scale: fp8 only, float32 ``[E, N/128, K/128]``.
+        gated: fuse silu_and_mul (and the fp8 requantization) into the epilogue; see
+            :class:`GatedOutput`.
 
     Returns:
         ``out``.
@@ -189,22 +272,30 @@ def fused_moe_gemm(
         InvalidInputError: shapes or dtypes do not fit together, or BLOCK_M differs from the blocks'.
         QuantizationError: fp8 without the right scales, K % 128 != 0, or BLOCK_K not dividing 128.
     """
-    fp8 = _check(a, w, out, blocks, pairs_per_row, config, a_scale, w_scale)
+    fp8 = _check(a, w, out, blocks, pairs_per_row, config, a_scale, w_scale, gated)
     E, N, K = w.shape
-    if blocks.numel == 0 or N == 0:
+    width = N // 2 if gated else N
+    if blocks.numel == 0 or width == 0:
         return out
     num_blocks = blocks.max_blocks
-    if fp8:
-        scales = (a_scale, w_scale, a_scale.stride(0), a_scale.stride(1), *w_scale.stride())
-    else:
-        scales = (a, w, 0, 0, 0, 0, 0)  # unused pointers
-    grid = (num_blocks * triton.cdiv(N, config.BLOCK_N),)
+    scales = (a_scale, w_scale, a_scale.stride(0), a_scale.stride(1), *w_scale.stride()) if fp8 else (a, w, 0, 0, 0, 0, 0)
+    quant_out = gated is not None and out.dtype == FP8
+    static = gated.static_scale if quant_out else None
+    out_scale = gated.out_scale if quant_out else out
+    epilogue = (
+        out_scale, static if static is not None else out_scale,
+        out_scale.stride(0) if quant_out else 0, out_scale.stride(1) if quant_out else 0,
+        0 if static is None or static.numel() == 1 else static.stride(0),
+        gated.static_div if static is not None else 1,
+    )  # fmt: skip
+    grid = (num_blocks * triton.cdiv(width, config.BLOCK_N),)
     _fused_moe_kernel[grid](
         a, w, out, scales[0], scales[1],
-        blocks.sorted_token_ids, blocks.expert_ids, blocks.num_tokens_post_padded,
-        N, K, blocks.numel, pairs_per_row, num_blocks,
-        a.stride(0), a.stride(1), *w.stride(), out.stride(0), out.stride(1), *scales[2:],
+        blocks.sorted_token_ids, blocks.expert_ids, blocks.num_tokens_post_padded, *epilogue[:2],
+        width, K, blocks.numel, pairs_per_row, num_blocks,
+        a.stride(0), a.stride(1), *w.stride(), out.stride(0), out.stride(1), *scales[2:], *epilogue[2:],
         EVEN_K=K % config.BLOCK_K == 0, IS_FP8=fp8, SCALE_BLOCK=SCALE_BLOCK,
+        GATED=gated is not None, QUANT_OUT=quant_out, STATIC_OUT=static is not None,
         UPCAST_BF16=interpreting() and a.dtype == torch.bfloat16,
         DOT_IEEE=a.dtype == torch.float32, FIX_ROUNDING=interpreting(),
         **config.launch,

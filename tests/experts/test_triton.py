@@ -34,10 +34,9 @@ def make_layer(device, *, M, K=128, N=128, E=8, topk=2, dtype=torch.float32, emp
     return hidden, w1, w2, weights, ids
 
 
-def kernel(quant=QuantScheme.NONE, chunk_size=None, **kw):
-    return moekit.ModularKernel(
-        NoEPPrepareFinalize(), TritonExperts(quant=quant), chunk_size=chunk_size, trace_counts=False, **kw
-    )
+def kernel(quant=QuantScheme.NONE, chunk_size=None, *, fused=False, **kw):
+    experts = TritonExperts(quant=quant, fuse_activation=fused)
+    return moekit.ModularKernel(NoEPPrepareFinalize(), experts, chunk_size=chunk_size, trace_counts=False, **kw)
 
 
 def same(a, b, dtype):
@@ -60,6 +59,17 @@ def test_chunked_equals_unchunked_equals_reference(device, M, C):
     same(chunked, whole, torch.float32)
 
 
+@pytest.mark.parametrize("M, C", [(1, 1), (17, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_activation(device, M, C, dtype):
+    layer = make_layer(device, M=M, dtype=dtype)
+    whole = kernel(fused=True)(*layer)
+    assert_close(whole, moe_reference(*layer), dtype=dtype)
+    same(kernel(chunk_size=C, fused=True)(*layer), whole, dtype)
+    shapes = TritonExperts(fuse_activation=True).workspace_shapes(ProblemSize(M, 128, 128, 2, 8, 8), act_dtype=dtype)
+    assert shapes.workspace13 == (M, 2, 64) and shapes.workspace2 == (2 * M, 0)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision(device, dtype):
     # bf16 under the interpreter is right only because the GEMM upcasts its tiles (UPCAST_BF16).
@@ -69,8 +79,8 @@ def test_half_precision(device, dtype):
     assert_close(out, moe_reference(*layer), dtype=dtype)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_expert_map_ranks_sum_to_reference(device, world):
+@pytest.mark.parametrize("world, fused", [(2, False), (4, False), (2, True)])
+def test_expert_map_ranks_sum_to_reference(device, world, fused):
     E = 8
     hidden, w1, w2, weights, ids = make_layer(device, M=19, E=E, topk=3)
     E_local = E // world
@@ -80,7 +90,7 @@ def test_expert_map_ranks_sum_to_reference(device, world):
         emap[rank * E_local : (rank + 1) * E_local] = torch.arange(E_local, dtype=torch.int32, device=device)
         lo, hi = rank * E_local, (rank + 1) * E_local
         rank_layer = (hidden, w1[lo:hi], w2[lo:hi], weights, ids)
-        out = kernel(chunk_size=8)(*rank_layer, expert_map=emap)
+        out = kernel(chunk_size=8, fused=fused)(*rank_layer, expert_map=emap)
         assert_close(out, moe_reference(*rank_layer, expert_map=emap), dtype=torch.float32)
         total += out
     assert_close(total, moe_reference(hidden, w1, w2, weights, ids), dtype=torch.float32)
@@ -94,11 +104,11 @@ def test_weird_shapes(device):
     assert_close(out, moe_reference(hidden, w1, w2, weights, ids), dtype=torch.float32)
 
 
-def _direct_call(device, *, M, K=128, N=128, E=4, topk=2, fill=float("nan")):
+def _direct_call(device, *, M, K=128, N=128, E=4, topk=2, fill=float("nan"), fused=False):
     """An ExpertsCall whose workspaces and output hold ``fill`` before apply."""
     hidden, w1, w2, _, ids = make_layer(device, M=M, K=K, N=N, E=E, topk=topk)
     ids[0, 0] = -1
-    experts = TritonExperts()
+    experts = TritonExperts(fuse_activation=fused)
     shapes = experts.workspace_shapes(ProblemSize(M, N, K, topk, E + 2, E), act_dtype=hidden.dtype)
     pool = WorkspacePool(device)
     views = pool.take(shapes)
@@ -111,8 +121,9 @@ def _direct_call(device, *, M, K=128, N=128, E=4, topk=2, fill=float("nan")):
     return experts, call
 
 
-def test_canary_every_output_element_written(device):
-    experts, call = _direct_call(device, M=9)
+@pytest.mark.parametrize("fused", [False, True])
+def test_canary_every_output_element_written(device, fused):
+    experts, call = _direct_call(device, M=9, fused=fused)
     assert experts.apply(call) == "triton"
     assert not call.output.isnan().any()
     ones = torch.ones(call.topk_ids.shape, device=device)
@@ -155,9 +166,11 @@ def fp8_layer(device, *, M, K=128, N=256, E=4, topk=2):
     return hidden.bfloat16(), q1, q2, weights, ids, s1, s2
 
 
-def fp8_reference(hidden, q1, q2, weights, ids, s1, s2, *, a2_scale=None):
-    """The fp8 path step by step in fp32: quantized input, bf16 GEMM1 output, requantized
-    intermediate (dynamic 1x128 groups, or the static per-tensor/per-token a2_scale)."""
+def fp8_reference(hidden, q1, q2, weights, ids, s1, s2, *, a2_scale=None, fused=False):
+    """The fp8 path step by step in fp32: quantized input, GEMM1 output (rounded to bf16 unless
+    the activation is fused into GEMM1), requantized intermediate (dynamic 1x128 groups, or the
+    static per-tensor/per-token a2_scale). That bf16 rounding can flip an e4m3 code, so each
+    path has its own reference."""
     x = dequantize_fp8_per_token_group(*quantize_fp8_per_token_group(hidden))
     w1, w2 = dequantize_fp8_block(q1, s1), dequantize_fp8_block(q2, s2)
     M, topk = ids.shape
@@ -165,7 +178,8 @@ def fp8_reference(hidden, q1, q2, weights, ids, s1, s2, *, a2_scale=None):
     out = torch.zeros(M, topk, w2.shape[1], device=hidden.device)
     for e in range(w1.shape[0]):
         rows, slots = torch.nonzero(local == e, as_tuple=True)
-        y = silu_and_mul((x[rows] @ w1[e].t()).bfloat16().float())
+        h = x[rows] @ w1[e].t()
+        y = silu_and_mul(h if fused else h.bfloat16().float())
         if a2_scale is None:
             y = dequantize_fp8_per_token_group(*quantize_fp8_per_token_group(y))
         else:
@@ -176,31 +190,32 @@ def fp8_reference(hidden, q1, q2, weights, ids, s1, s2, *, a2_scale=None):
     return (out * weights.unsqueeze(-1)).sum(dim=1)
 
 
-def test_fp8_block_chunked(device):
+@pytest.mark.parametrize("fused", [False, True])
+def test_fp8_block_chunked(device, fused):
     hidden, q1, q2, weights, ids, s1, s2 = fp8_layer(device, M=19)
-    fp8 = kernel(QuantScheme.FP8_BLOCK, chunk_size=8)
+    fp8 = kernel(QuantScheme.FP8_BLOCK, chunk_size=8, fused=fused)
     out = fp8(hidden, q1, q2, weights, ids, w1_scale=s1, w2_scale=s2)
     assert out.dtype == torch.bfloat16
-    assert_close(out, fp8_reference(hidden, q1, q2, weights, ids, s1, s2), dtype=torch.bfloat16)
+    assert_close(out, fp8_reference(hidden, q1, q2, weights, ids, s1, s2, fused=fused), dtype=torch.bfloat16)
     # Against the fp32 layer on the dequantized operands, which does not requantize the
     # intermediate: that step alone moves single outputs by a few percent.
     x = dequantize_fp8_per_token_group(*quantize_fp8_per_token_group(hidden))
     dequantized = moe_reference(x, dequantize_fp8_block(q1, s1), dequantize_fp8_block(q2, s2), weights, ids)
     assert_close(out, dequantized, dtype=FP8)
-    whole = kernel(QuantScheme.FP8_BLOCK)(hidden, q1, q2, weights, ids, w1_scale=s1, w2_scale=s2)
+    whole = kernel(QuantScheme.FP8_BLOCK, fused=fused)(hidden, q1, q2, weights, ids, w1_scale=s1, w2_scale=s2)
     same(out, whole, torch.bfloat16)
 
 
-@pytest.mark.parametrize("per_token", [True, False])
-def test_fp8_a2_scale_chunked_equals_unchunked(device, per_token):
+@pytest.mark.parametrize("per_token, fused", [(True, False), (False, False), (True, True)])
+def test_fp8_a2_scale_chunked_equals_unchunked(device, per_token, fused):
     # Upstream #28728 sliced a per-token a2_scale as [e:e]: every chunk got an empty scale.
     hidden, q1, q2, weights, ids, s1, s2 = fp8_layer(device, M=13)
     a2 = (torch.rand(13, 1, device=device) + 0.5) * 0.01 if per_token else torch.tensor([0.012], device=device)
     args = (hidden, q1, q2, weights, ids)
-    whole = kernel(QuantScheme.FP8_BLOCK)(*args, w1_scale=s1, w2_scale=s2, a2_scale=a2)
-    chunked = kernel(QuantScheme.FP8_BLOCK, chunk_size=5)(*args, w1_scale=s1, w2_scale=s2, a2_scale=a2)
+    whole = kernel(QuantScheme.FP8_BLOCK, fused=fused)(*args, w1_scale=s1, w2_scale=s2, a2_scale=a2)
+    chunked = kernel(QuantScheme.FP8_BLOCK, chunk_size=5, fused=fused)(*args, w1_scale=s1, w2_scale=s2, a2_scale=a2)
     same(chunked, whole, torch.bfloat16)
-    assert_close(whole, fp8_reference(*args, s1, s2, a2_scale=a2), dtype=torch.bfloat16)
+    assert_close(whole, fp8_reference(*args, s1, s2, a2_scale=a2, fused=fused), dtype=torch.bfloat16)
 
 
 def test_fp8_errors(device):
@@ -245,14 +260,15 @@ def test_once_policy_fails_on_the_last_chunk(device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("M", [1, 256, 2048])
 @pytest.mark.parametrize("quant", [QuantScheme.NONE, QuantScheme.FP8_BLOCK])
-def test_realistic_sizes_on_gpu(device, M, quant):
+@pytest.mark.parametrize("fused", [False, True])
+def test_realistic_sizes_on_gpu(device, M, quant, fused):
     K, N, E, topk = 2048, 1536, 64, 8
     hidden, w1, w2, weights, _ = make_layer(device, M=M, K=K, N=N, E=E, topk=topk, dtype=torch.bfloat16)
     ids = torch.rand(M, E, device=device).topk(topk, dim=1).indices  # distinct experts per token
     if quant is QuantScheme.NONE:
-        out = kernel(chunk_size=1024)(hidden, w1, w2, weights, ids)
+        out = kernel(chunk_size=1024, fused=fused)(hidden, w1, w2, weights, ids)
         assert_close(out, moe_reference(hidden, w1, w2, weights, ids), dtype=torch.bfloat16)
         return
     (q1, s1), (q2, s2) = quantize_fp8_block(w1.float()), quantize_fp8_block(w2.float())
-    out = kernel(quant, chunk_size=1024)(hidden, q1, q2, weights, ids, w1_scale=s1, w2_scale=s2)
-    assert_close(out, fp8_reference(hidden, q1, q2, weights, ids, s1, s2), dtype=torch.bfloat16)
+    out = kernel(quant, chunk_size=1024, fused=fused)(hidden, q1, q2, weights, ids, w1_scale=s1, w2_scale=s2)
+    assert_close(out, fp8_reference(hidden, q1, q2, weights, ids, s1, s2, fused=fused), dtype=torch.bfloat16)

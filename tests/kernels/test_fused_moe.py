@@ -8,13 +8,14 @@ import torch
 from moekit.errors import InvalidInputError, QuantizationError
 from moekit.kernels.align import moe_align_block_size
 from moekit.kernels.configs import KernelConfig, get_config, load_table, table_config
-from moekit.kernels.fused_moe import fused_moe_gemm
+from moekit.kernels.fused_moe import GatedOutput, fused_moe_gemm
 from moekit.quant import (
     dequantize_fp8_block,
     dequantize_fp8_per_token_group,
     quantize_fp8_block,
     quantize_fp8_per_token_group,
 )
+from moekit.reference import silu_and_mul
 from moekit.testing import assert_close, expect_raises
 
 FP8 = torch.float8_e4m3fn
@@ -91,6 +92,50 @@ def test_fp8_column_major_activation_scales(device):
     fused_moe_gemm(aq, wq, out, blocks, pairs_per_row=1, config=CFG, a_scale=a_s, w_scale=w_s)
     expected = gemm_spec(dequantize_fp8_per_token_group(aq, a_s), dequantize_fp8_block(wq, w_s), ids, 1)
     assert_close(out, expected, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_epilogue(device, dtype):
+    M, K, N, E, topk = 13, 96, 160, 5, 2  # K % BLOCK_K != 0 and N/2 = 80 % BLOCK_N != 0
+    ids = torch.randint(-1, E, (M, topk), device=device)
+    a = torch.randn(M, K, device=device).to(dtype)
+    w = (torch.randn(E, N, K, device=device) / K**0.5).to(dtype)
+    blocks = moe_align_block_size(ids, CFG.BLOCK_M, E, keep_empty=True)
+    out = torch.empty(M * topk, N // 2, device=device, dtype=dtype)
+    fused_moe_gemm(a, w, out, blocks, pairs_per_row=topk, config=CFG, gated=GatedOutput())
+    assert_close(out, silu_and_mul(gemm_spec(a, w, ids, topk)), dtype=dtype)
+
+
+@pytest.mark.parametrize("static", [None, "per_tensor", "per_token"])
+def test_gated_fp8_requantization(device, static):
+    # GEMM1 + silu_and_mul + 1x128 requantization in one kernel vs the same steps one by one.
+    M, K, N, E, topk = 11, 128, 512, 3, 2
+    ids = torch.randint(0, E, (M, topk), device=device)
+    aq, a_s = quantize_fp8_per_token_group(torch.randn(M, K, device=device))
+    wq, w_s = quantize_fp8_block(torch.randn(E, N, K, device=device) / 8)
+    cfg = KernelConfig(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128)
+    blocks = moe_align_block_size(ids, 16, E)
+    y = silu_and_mul(gemm_spec(dequantize_fp8_per_token_group(aq, a_s), dequantize_fp8_block(wq, w_s), ids, topk))
+    st, div = None, 1
+    if static == "per_tensor":
+        st = torch.tensor([0.02], device=device)
+    elif static == "per_token":
+        st, div = torch.rand(M, device=device) * 0.02 + 0.01, topk
+    q = torch.empty(M * topk, N // 2, device=device, dtype=FP8)
+    scale = torch.empty(M * topk, N // 256, device=device)
+    gated = GatedOutput(out_scale=scale, static_scale=st, static_div=div)
+    fused_moe_gemm(aq, wq, q, blocks, pairs_per_row=topk, config=cfg, a_scale=a_s, w_scale=w_s, gated=gated)
+    if st is None:
+        s_ref = (y.abs().view(-1, N // 256, 128).amax(-1) / 448).clamp_min(1e-10)
+        torch.testing.assert_close(scale, s_ref, rtol=1e-4, atol=0)
+    else:
+        s_ref = st.repeat_interleave(div).view(-1, 1).expand(M * topk, N // 256)
+        assert torch.equal(scale, s_ref)
+    limit = 448 * s_ref.repeat_interleave(128, dim=1)  # a static scale saturates what it cannot hold
+    back = q.float() * scale.repeat_interleave(128, dim=1)
+    assert_close(back, torch.maximum(torch.minimum(y, limit), -limit), dtype=FP8)
+    with expect_raises(QuantizationError, match="BLOCK_N == 128"):
+        fused_moe_gemm(aq, wq, q, blocks, pairs_per_row=topk, config=CFG, a_scale=a_s, w_scale=w_s, gated=gated)
 
 
 def test_errors(device):
