@@ -12,8 +12,10 @@ torch and are tested against the count kernel and the trace.
 
 from __future__ import annotations
 
+import functools
 import html
 import math
+import sys
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -23,9 +25,28 @@ def new_axes(ncols: int = 1, *, width: float = 5.0, height: float = 3.6):
     """A new figure with ``ncols`` axes side by side; returns ``(fig, axes)`` (a list)."""
     from matplotlib.figure import Figure
 
+    _show_figures_in_ipython()
     fig = Figure(figsize=(width * ncols, height), layout="constrained")
     axes = fig.subplots(1, ncols, squeeze=False)[0]
     return fig, list(axes)
+
+
+def _show_figures_in_ipython() -> None:
+    # Jupyter renders a Figure as PNG only once a formatter is registered, which pyplot's inline
+    # backend does when pyplot is imported. These figures bypass pyplot, so register one here,
+    # unless the user already chose a format (svg, retina...).
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    if shell is None:
+        return
+    from IPython.core.pylabtools import print_figure
+    from matplotlib.figure import Figure
+
+    formatters = shell.display_formatter.formatters.values()
+    if not any(Figure in f.type_printers for f in formatters):
+        shell.display_formatter.formatters["image/png"].for_type(
+            Figure, functools.partial(print_figure, fmt="png", base64=True)
+        )
 
 
 def _axes(ax, **size):
@@ -116,15 +137,17 @@ def table(rows: Sequence[Mapping], *, title: str | None = None) -> Table:
 
 
 def plot_table(rows: Sequence[Mapping], *, title: str | None = None, ax=None):
-    """Draw a table of ``rows`` as a figure (for reports and PNGs)."""
+    """Draw a table of ``rows`` as a figure (for reports and PNGs), sized to its text."""
     t = Table(rows, title=title)
-    fig, ax = _axes(ax, width=min(2.0 + 1.6 * len(t.columns), 16), height=0.6 + 0.32 * (len(t.rows) + 1))
+    cells = t._cells()
+    chars = [max([len(c)] + [len(r[i]) for r in cells]) + 2 for i, c in enumerate(t.columns)]
+    fig, ax = _axes(ax, width=0.3 + 0.085 * sum(chars), height=0.5 + 0.24 * (len(cells) + 1))
     ax.axis("off")
-    if t.rows:
-        tab = ax.table(cellText=t._cells(), colLabels=t.columns, loc="center", cellLoc="left")
+    if cells:
+        widths = [c / sum(chars) for c in chars]
+        tab = ax.table(cellText=cells, colLabels=t.columns, colWidths=widths, bbox=[0, 0, 1, 1], cellLoc="left")
         tab.auto_set_font_size(False)
         tab.set_fontsize(9)
-        tab.auto_set_column_width(list(range(len(t.columns))))
     if title:
         ax.set_title(title)
     return fig
@@ -147,9 +170,7 @@ def plot_tokens_per_expert(counts, *, ax=None, title: str = "tokens per expert",
     return fig
 
 
-def plot_counts_heatmap(
-    counts, *, ax=None, title: str = "tokens per (chunk, expert)", annotate: bool | None = None
-):
+def plot_counts_heatmap(counts, *, ax=None, title: str = "tokens per (chunk, expert)", annotate: bool | None = None):
     """A chunk x expert heatmap; cells hold the tokens each chunk sends to each expert."""
     fig, ax = _axes(ax)
     c = _np(counts)
@@ -196,10 +217,15 @@ def plot_stacked_chunks(counts, *, ax=None, title: str = "tokens per chunk, stac
 
 
 def _colors(n: int):
+    """``n`` distinguishable colours: qualitative maps up to 60, a sampled rainbow beyond."""
     from matplotlib import colormaps
 
-    cmap = colormaps["tab20" if n > 10 else "tab10"]
-    return [cmap(i % cmap.N) for i in range(n)]
+    if n <= 10:
+        return [colormaps["tab10"](i) for i in range(n)]
+    qualitative = [colormaps[m](i) for m in ("tab20", "tab20b", "tab20c") for i in range(20)]
+    if n <= len(qualitative):
+        return qualitative[:n]
+    return [colormaps["turbo"](i / max(n - 1, 1)) for i in range(n)]
 
 
 def plot_workspace_bytes(
@@ -219,12 +245,21 @@ def plot_workspace_bytes(
     width = 0.8 / max(len(names), 1)
     for i, name in enumerate(names):
         xs = [x + (i - (len(names) - 1) / 2) * width for x in range(len(series[name]))]
-        ax.bar(xs, [v / 1024 for v in series[name]], width=width, label=name)
+        bars = ax.bar(xs, [v / 1024 for v in series[name]], width=width, label=name)
+        ax.bar_label(bars, labels=[_kib(v) for v in series[name]], fontsize=7, padding=2)
     ticks = [f"{i}\n{labels[i]}" if labels else str(i) for i in range(n)]
     ax.set_xticks(range(n), ticks)
+    values = [v for vs in series.values() for v in vs if v > 0]
+    if values and max(values) > 50 * min(values):
+        ax.set_yscale("log")  # a Triton chunk's few KiB beside DeepGEMM's padded MiB
+    ax.margins(y=0.15)
     ax.set(xlabel="chunk", ylabel="KiB", title=title)
     ax.legend(fontsize=8)
     return fig
+
+
+def _kib(v: int) -> str:
+    return f"{v / 1024:.0f} KiB" if v >= 10 * 1024 else f"{v / 1024:.1f} KiB"
 
 
 def plot_weight_bytes(
@@ -279,9 +314,7 @@ def shape_rows(steps: Sequence[tuple[str, str, object]]) -> list[dict]:
     return rows
 
 
-def plot_counts_vs_whole(
-    per_chunk, whole, *, ax=None, title: str = "tokens per expert: each chunk vs whole batch"
-):
+def plot_counts_vs_whole(per_chunk, whole, *, ax=None, title: str = "tokens per expert: each chunk vs whole batch"):
     """Bars: each chunk's true tokens per expert; black steps: the whole-batch counts every
     chunk receives under ``metadata_policy="whole_batch"`` (bug 2)."""
     fig, ax = _axes(ax, width=6.0)
@@ -289,9 +322,7 @@ def plot_counts_vs_whole(
     n, E = c.shape
     width = 0.8 / max(n, 1)
     for i in range(n):
-        ax.bar(
-            [e + (i - (n - 1) / 2) * width for e in range(E)], c[i], width=width, label=f"chunk {i} (true)"
-        )
+        ax.bar([e + (i - (n - 1) / 2) * width for e in range(E)], c[i], width=width, label=f"chunk {i} (true)")
     ax.hlines(
         w,
         [e - 0.45 for e in range(E)],

@@ -1,0 +1,194 @@
+"""A real JupyterLab in headless chromium: Run All, move a slider, see the plot change.
+
+Starts ``jupyter lab`` on a free loopback port with a random token and fresh config/data/runtime
+dirs, on a temporary copy of the notebooks; drives it with Playwright's Python API and the
+system chromium (never ``playwright install``); saves screenshots under build/test-browser/;
+stops the server by its PID. Skipped, with the reason, when chromium or playwright is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS_DIR = Path(os.environ.get("MOEKIT_NOTEBOOKS_DIR", ROOT / "notebooks"))
+SHOTS = ROOT / "build" / "test-browser"
+CHROMIUM = Path(os.environ.get("MOEKIT_CHROMIUM", "/usr/bin/chromium"))
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+EXPLORER = "03_per_chunk_expert_assignment.ipynb"
+CRASH = "02_workspace_shape_crash.ipynb"
+RUN_ALL_TIMEOUT_MS = 240_000
+VISIBLE = ".jp-NotebookPanel:not(.lm-mod-hidden)"  # the notebook on screen
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(not CHROMIUM.exists(), reason=f"no chromium at {CHROMIUM} (apt-get install chromium)"),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_http(url: str, proc: subprocess.Popen, log: Path, timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"jupyter lab exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.3)
+    raise TimeoutError(f"jupyter lab did not answer {url} within {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """A running JupyterLab on a copy of the notebooks; yields (base_url, token)."""
+    pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
+    pytest.importorskip("jupyterlab", reason="jupyterlab is not installed")
+    tmp = tmp_path_factory.mktemp("lab")
+    root = tmp / "notebooks"
+    shutil.copytree(NOTEBOOKS_DIR, root, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
+    env = dict(os.environ)
+    for var in ("JUPYTER_CONFIG_DIR", "JUPYTER_DATA_DIR", "JUPYTER_RUNTIME_DIR", "IPYTHONDIR"):
+        env[var] = str(tmp / var.lower())
+    # The lab's kernel is this interpreter: venv's python3 spec, whose argv "python" jupyter_client
+    # replaces by the server's own sys.executable. Keep user-level kernelspecs out of the way.
+    env.pop("JUPYTER_PATH", None)
+    labconfig = Path(env["JUPYTER_CONFIG_DIR"]) / "labconfig"
+    labconfig.mkdir(parents=True)
+    # No news pop-up (it asks to fetch from the internet) covering the notebook.
+    disabled = {"@jupyterlab/apputils-extension:announcements": True}
+    (labconfig / "page_config.json").write_text(json.dumps({"disabledExtensions": disabled}))
+    port, token = _free_port(), secrets.token_hex(16)
+    jupyter = Path(sys.executable).parent / "jupyter"
+    cmd = [str(jupyter), "lab"] if jupyter.exists() else [sys.executable, "-m", "jupyterlab"]
+    cmd += ["--allow-root", "--no-browser", "--ip=127.0.0.1", f"--port={port}", f"--ServerApp.token={token}",
+            f"--ServerApp.root_dir={root}", "--ServerApp.port_retries=0", "--LabApp.check_for_updates_class="
+            "jupyterlab.NeverCheckForUpdate"]
+    log = tmp / "lab.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_http(f"{base}/api/status?token={token}", proc, log)
+        yield base, token
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)  # its own session: the server and its kernels
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(log, SHOTS / "lab.log")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+def _open(browser, lab, name: str):
+    base, token = lab
+    page = browser.new_page(viewport={"width": 1600, "height": 1000})
+    page.set_default_timeout(60_000)
+    # A workspace of its own, so the lab does not restore the other notebook's tab beside it.
+    page.goto(f"{base}/lab/workspaces/{Path(name).stem[:2]}/tree/{name}?reset&token={token}")
+    _wait_idle(page)
+    return page
+
+
+def _wait_idle(page, timeout_ms: int = 90_000) -> None:
+    """The status bar names the kernel and its state: wait for 'Idle'."""
+    page.locator("#jp-main-statusbar").get_by_text("Idle").first.wait_for(timeout=timeout_ms)
+
+
+def _run_all(page, shot: str) -> None:
+    page.locator(f"{VISIBLE} .jp-Notebook").click()
+    page.get_by_role("menuitem", name="Run", exact=True).click()
+    page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    try:
+        page.wait_for_function(  # every code cell ran: a number in each prompt, no "[*]" left
+            """selector => {
+                const cells = [...document.querySelectorAll(selector)];
+                return cells.length > 0 && cells.every(p => /\\[\\d+\\]/.test(p.textContent));
+            }""",
+            arg=f"{VISIBLE} .jp-CodeCell .jp-InputArea-prompt",
+            timeout=RUN_ALL_TIMEOUT_MS,
+        )
+        _wait_idle(page)
+    finally:
+        page.screenshot(path=str(SHOTS / shot), full_page=True)
+
+
+def test_explorer_slider_redraws_the_plot(browser, lab):
+    page = _open(browser, lab, EXPLORER)
+    try:
+        _run_all(page, "03_after_run_all.png")
+        page.get_by_text("all checks passed").first.wait_for()
+        plot = page.locator(".widget-output img").first
+        plot.wait_for()
+        before = plot.get_attribute("src")
+        slider = page.locator(".widget-hslider", has_text="C chunk").locator(".noUi-handle")
+        slider.focus()
+        page.keyboard.press("ArrowLeft")  # C = 64 -> 32
+        page.wait_for_function(
+            "before => { const i = document.querySelector('.widget-output img'); return i && i.src !== before; }",
+            arg=before,
+            timeout=60_000,
+        )
+        page.locator(".widget-output img").first.scroll_into_view_if_needed()
+        page.screenshot(path=str(SHOTS / "03_after_slider.png"), full_page=True)
+        assert page.locator(".widget-output img").first.get_attribute("src") != before
+        assert "C=32" in page.locator(".widget-html").first.inner_text()
+    finally:
+        page.close()
+
+
+def test_crash_notebook_shows_errors_and_checks(browser, lab):
+    page = _open(browser, lab, CRASH)
+    try:
+        _run_all(page, "02_after_run_all.png")
+        text = page.locator(f"{VISIBLE} .jp-Notebook").inner_text()
+        assert "all checks passed" in text, "the final check cell did not print"
+        assert "RuntimeError" in text, "the raw torch error (as users met it) is not shown"
+        assert "bug 1 of vLLM PR #20392" in text, "the guard's WorkspaceShapeError message is not shown"
+        assert not page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.error']").count()
+    finally:
+        page.close()

@@ -1,0 +1,54 @@
+"""Execute every notebook with papermill, as `make walkthrough` does, at small CPU parameters.
+
+A failing cell fails the test with papermill's message (cell, error, traceback). Executed copies
+are kept under build/test-notebooks/ as artifacts. The kernel is this interpreter (a kernelspec
+written by ``moekit.walkthrough.use_moekit_kernel``), so it imports this checkout's moekit, and
+``moekit.device`` picks the Triton interpreter on a CPU machine.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from moekit import walkthrough
+
+pm = pytest.importorskip("papermill")
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+ARTIFACTS = ROOT / "build" / "test-notebooks"
+BUDGET_S = 120  # each notebook targets <= 60 s on 2 cores; fail loudly well before the global timeout
+
+# Parameters that keep CI small where a notebook's defaults are larger than a test needs.
+SMALL: dict[str, dict] = {}
+
+pytestmark = pytest.mark.notebooks
+
+
+@pytest.fixture(scope="module")
+def kernel_name():
+    return walkthrough.use_moekit_kernel()
+
+
+def test_found_notebooks():
+    assert len(NOTEBOOKS) >= 6, [p.name for p in NOTEBOOKS]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs(path, kernel_name):
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    pm.execute_notebook(
+        str(path),
+        str(ARTIFACTS / path.name),
+        parameters=SMALL.get(path.stem, {}),
+        kernel_name=kernel_name,
+        cwd=str(path.parent),
+        progress_bar=False,
+        execution_timeout=BUDGET_S,
+    )
+    seconds = time.perf_counter() - start
+    assert seconds < BUDGET_S, f"{path.name} took {seconds:.0f} s (budget {BUDGET_S} s)"
