@@ -169,13 +169,18 @@ def test_config_table_is_valid():
         limits = [b["max_rows"] for b in buckets]
         assert limits[-1] is None and limits[:-1] == sorted(limits[:-1])
         for bucket in buckets:
-            for stage in (1, 2):
-                cfg = KernelConfig(**bucket[f"gemm{stage}"])
+            for name in ("gemm1", "gemm1_gated", "gemm2"):
+                if name not in bucket:
+                    continue
+                cfg = KernelConfig(**bucket[name])
                 if key == "fp8":
                     assert 128 % cfg.BLOCK_K == 0
+                    assert name != "gemm1_gated" or cfg.BLOCK_N == 128
     assert table_config(0.06, torch.bfloat16).BLOCK_M == 16  # decode
     assert table_config(1024, torch.bfloat16).BLOCK_M == 128  # prefill
     assert table_config(8, torch.float16) == table_config(8, torch.bfloat16)
+    assert table_config(1024, torch.bfloat16, gated=True).BLOCK_N == 128  # two accumulators: half width
+    assert table_config(1024, torch.float32, gated=True) == table_config(1024, torch.float32)  # no entry
 
 
 def test_config_errors():
