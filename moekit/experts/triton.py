@@ -62,9 +62,13 @@ class TritonExperts(Experts):
     ):
         super().__init__(quant=quant)
         self.fuse_activation = bool(fuse_activation)
-        if configs is not None and (len(configs) != 2 or not all(isinstance(c, KernelConfig) for c in configs)):
+        pair = isinstance(configs, tuple | list) and len(configs) == 2
+        if configs is not None and not (pair and all(isinstance(c, KernelConfig) for c in configs)):
             raise InvalidInputError(f"configs must be (KernelConfig, KernelConfig) or None, got {configs!r}")
         self.configs = configs
+
+    def __repr__(self) -> str:
+        return f"{self.name}(quant={self.quant.value}, fuse_activation={self.fuse_activation})"
 
     def workspace_shapes(
         self,
