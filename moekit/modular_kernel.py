@@ -18,9 +18,11 @@
 Two policies reproduce the pre-fix behaviour for teaching; neither is the default:
 
 - ``workspace_policy="once"``: shapes are declared once, for the first (largest) chunk, and
-  every chunk gets those buffers. With a dispatching experts class that picks another backend
-  for a smaller last chunk, the buffers no longer fit. The guard (``guard=True``) names the
-  mismatch; ``guard=False`` lets the raw failure happen, as users met it.
+  every chunk gets those buffers. A smaller last chunk of the same backend takes their leading
+  rows, which is why this worked for years. But a dispatching experts class that picks another
+  backend for the last chunk needs another layout, and the buffers no longer fit. The guard
+  (``guard=True``) names the mismatch; ``guard=False`` lets the raw failure happen, as users
+  met it.
 - ``metadata_policy="whole_batch"``: every chunk receives the whole batch's tokens per expert.
   A consumer that sizes or masks by these counts then works on the wrong numbers.
 """
@@ -45,7 +47,7 @@ from moekit.types import (
     WorkspaceShapes,
 )
 from moekit.validate import check_expert_map, check_moe_inputs
-from moekit.workspace import WorkspacePool
+from moekit.workspace import WorkspacePool, WorkspaceViews
 
 WORKSPACE_POLICIES = ("per_chunk", "once")
 METADATA_POLICIES = ("per_chunk", "whole_batch")
@@ -224,9 +226,13 @@ class ModularKernel:
             sub = problem.with_M(r.size)
             own = experts.workspace_shapes(sub, act_dtype=act_dtype, tokens_meta=meta)
             shapes = own if once is None else once
-            if once is not None and self.guard and own != once:
-                raise WorkspaceShapeError(_once_mismatch(experts, r, once, own, sub))
             views = pool.take(shapes)
+            if once is not None and _fits(own, once):
+                # What upstream did before the fix, and why it usually worked: a smaller chunk of
+                # the same backend takes the leading rows of the buffers declared once.
+                views = _leading_rows(views, own)
+            elif once is not None and self.guard:
+                raise WorkspaceShapeError(_once_mismatch(experts, r, once, own, sub))
             out_slice = fused_out if single else slice_rows(fused_out, r, problem.M)
             if (once is None or self.guard) and tuple(out_slice.shape) != own.output:
                 raise WorkspaceShapeError(
@@ -277,6 +283,18 @@ class ModularKernel:
         from moekit.kernels.count import count_expert_num_tokens
 
         return count_expert_num_tokens(call.topk_ids, placement.num_local_experts, placement.expert_map)
+
+
+def _fits(own: WorkspaceShapes, once: WorkspaceShapes) -> bool:
+    """Whether ``own`` is a leading-rows slice of ``once`` (same layout and dtype, no more rows)."""
+    if own.dtype != once.dtype:
+        return False
+    pairs = ((own.workspace13, once.workspace13), (own.workspace2, once.workspace2))
+    return all(len(a) == len(b) and (not a or (a[1:] == b[1:] and a[0] <= b[0])) for a, b in pairs)
+
+
+def _leading_rows(views: WorkspaceViews, own: WorkspaceShapes) -> WorkspaceViews:
+    return WorkspaceViews(views.workspace13[: own.workspace13[0]], views.workspace2[: own.workspace2[0]])
 
 
 def _once_mismatch(experts: Experts, r: ChunkRange, once: WorkspaceShapes, own: WorkspaceShapes, sub) -> str:
