@@ -60,7 +60,8 @@ def kernel_spec_dir() -> Path:
     root = Path(tempfile.gettempdir()) / f"moekit-kernels-{tag}"
     spec = root / "kernels" / KERNEL_NAME
     spec.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+    # log_level: the kernel warns at every start that loopback TCP is unencrypted; keep errors.
+    argv = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}", "--IPKernelApp.log_level=ERROR"]
     body = {"argv": argv, "display_name": "Python (moekit)", "language": "python"}
     (spec / "kernel.json").write_text(json.dumps(body, indent=1))
     return root
@@ -85,9 +86,26 @@ def parse_value(text: str):
         return text
 
 
-def parameters_for(
-    notebook: Path, declared: dict, global_params: dict, scoped: list[tuple[str, str, object]]
-):
+def declared_parameters(notebook: Path) -> dict[str, object]:
+    """Names and default values assigned in the cell tagged ``parameters`` (parsed with ``ast``).
+
+    papermill's own inspector skips any line holding two ``=`` (a comment like ``# 0 = uniform``).
+    """
+    nb = json.loads(notebook.read_text(encoding="utf-8"))
+    for cell in nb["cells"]:
+        if "parameters" in cell.get("metadata", {}).get("tags", []):
+            src = cell["source"] if isinstance(cell["source"], str) else "".join(cell["source"])
+            found = {}
+            for node in ast.parse(src).body:
+                if isinstance(node, ast.Assign):
+                    for target in node.targets:
+                        if isinstance(target, ast.Name):
+                            found[target.id] = ast.literal_eval(node.value)
+            return found
+    return {}
+
+
+def parameters_for(notebook: Path, declared: dict, global_params: dict, scoped: list[tuple[str, str, object]]):
     """The overrides that apply to ``notebook``: global ones it declares, plus ``NN:name=value``."""
     params = {k: v for k, v in global_params.items() if k in declared}
     for scope, key, value in scoped:
@@ -106,9 +124,7 @@ def extract_figures(executed: Path, figures_dir: Path) -> list[str]:
     nb = json.loads(executed.read_text())
     saved = []
     for cell in nb["cells"]:
-        names = [
-            t[len(FIGURE_TAG) :] for t in cell.get("metadata", {}).get("tags", []) if t.startswith(FIGURE_TAG)
-        ]
+        names = [t[len(FIGURE_TAG) :] for t in cell.get("metadata", {}).get("tags", []) if t.startswith(FIGURE_TAG)]
         pngs = [o["data"]["image/png"] for o in cell.get("outputs", []) if "image/png" in o.get("data", {})]
         for name, png in zip(names, pngs, strict=False):
             figures_dir.mkdir(parents=True, exist_ok=True)
@@ -192,9 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
-        "overrides", nargs="*", metavar="NN:NAME=VALUE", help="a parameter for one notebook (e.g. 02:M=256)"
-    )
+    p.add_argument("overrides", nargs="*", metavar="NN:NAME=VALUE", help="a parameter for one notebook (e.g. 02:M=256)")
     p.add_argument(
         "-p",
         "--parameter",
@@ -204,16 +218,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar=("NAME", "VALUE"),
         help="set NAME in every notebook that declares it (repeatable)",
     )
-    p.add_argument(
-        "--only", nargs="+", default=None, metavar="NN", help="run only these notebooks (prefixes)"
-    )
-    p.add_argument(
-        "--notebooks", type=Path, default=None, help="folder of notebooks (default: <repo>/notebooks)"
-    )
+    p.add_argument("--only", nargs="+", default=None, metavar="NN", help="run only these notebooks (prefixes)")
+    p.add_argument("--notebooks", type=Path, default=None, help="folder of notebooks (default: <repo>/notebooks)")
     p.add_argument("--out", type=Path, default=None, help="output folder (default: <repo>/build/walkthrough)")
     p.add_argument("--timeout", type=int, default=600, help="seconds per cell before a notebook fails")
     p.add_argument("--no-html", action="store_true", help="skip the nbconvert HTML export")
-    p.add_argument("--update-docs", action="store_true", help="copy the figures to <repo>/docs/figures/")
+    p.add_argument("--update-docs", action="store_true", help="copy the figures to --docs-dir")
+    p.add_argument("--docs-dir", type=Path, default=None, help="default: <repo>/docs/figures")
     return p
 
 
@@ -230,7 +241,6 @@ def _scoped(items: list[str]) -> list[tuple[str, str, object]]:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the walkthrough; returns the exit status (0 when every notebook passed)."""
-    import papermill as pm
     from tqdm import tqdm
 
     args = build_parser().parse_args(argv)
@@ -245,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     global_params = {k: parse_value(v) for k, v in args.parameter}
     scoped = _scoped(args.overrides)
-    plans = [(n, parameters_for(n, pm.inspect_notebook(str(n)), global_params, scoped)) for n in notebooks]
+    plans = [(n, parameters_for(n, declared_parameters(n), global_params, scoped)) for n in notebooks]
     shutil.rmtree(out_dir / "figures", ignore_errors=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     kernel, results = use_moekit_kernel(), []
@@ -269,13 +279,16 @@ def main(argv: list[str] | None = None) -> int:
         if r.error:
             print(f"{r.name}: {r.error}", file=sys.stderr)
     print(f"report: {index}")
-    if args.update_docs:
-        docs = root / "docs" / "figures"
+    ok = all(r.status == "ok" for r in results)
+    if args.update_docs and not ok:
+        print("docs/figures left unchanged: a notebook failed", file=sys.stderr)
+    elif args.update_docs:
+        docs = args.docs_dir or root / "docs" / "figures"
         docs.mkdir(parents=True, exist_ok=True)
         for png in sorted((out_dir / "figures").glob("*.png")):
             shutil.copy2(png, docs / png.name)
         print(f"figures copied to {docs}")
-    return 0 if all(r.status == "ok" for r in results) else 1
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -52,3 +52,71 @@ def test_notebook_runs(path, kernel_name):
     )
     seconds = time.perf_counter() - start
     assert seconds < BUDGET_S, f"{path.name} took {seconds:.0f} s (budget {BUDGET_S} s)"
+
+
+# ---------------------------------------------------------------------------------------------
+# moekit.walkthrough (the runner behind `make walkthrough`), on two tiny notebooks
+
+
+def _notebook(path: Path, params: str, body: str, *, tags=()):
+    import json
+
+    cells = [
+        {"cell_type": "markdown", "id": "0", "metadata": {}, "source": "# t\nYou will learn"},
+        {
+            "cell_type": "code",
+            "id": "1",
+            "metadata": {"tags": ["parameters"]},
+            "source": params,
+            "outputs": [],
+            "execution_count": None,
+        },
+        {
+            "cell_type": "code",
+            "id": "2",
+            "metadata": {"tags": list(tags)},
+            "source": body,
+            "outputs": [],
+            "execution_count": None,
+        },
+    ]
+    nb = {
+        "cells": cells,
+        "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+        "nbformat": 4,
+        "nbformat_minor": 5,
+    }
+    path.write_text(json.dumps(nb))
+
+
+def test_declared_parameters_reads_what_papermill_skips(tmp_path):
+    _notebook(tmp_path / "01_a.ipynb", "M = 130  # tokens (M = 130 crosses the switch)\nsizes = [1, 2]", "pass")
+    assert walkthrough.declared_parameters(tmp_path / "01_a.ipynb") == {"M": 130, "sizes": [1, 2]}
+
+
+def test_parameters_for():
+    nb = Path("02_workspace_shape_crash.ipynb")
+    declared = {"M": 130, "C": 128}
+    scoped = [("02", "C", 64), ("03", "M", 1)]
+    assert walkthrough.parameters_for(nb, declared, {"M": 256, "E": 4}, scoped) == {"M": 256, "C": 64}
+    with pytest.raises(SystemExit, match="no parameter 'E'"):
+        walkthrough.parameters_for(nb, declared, {}, [("02", "E", 4)])
+    assert walkthrough.parse_value("0.5") == 0.5 and walkthrough.parse_value("abc") == "abc"
+
+
+def test_walkthrough_main(tmp_path, capsys):
+    pytest.importorskip("nbconvert")
+    nbs, out, docs = tmp_path / "notebooks", tmp_path / "out", tmp_path / "docs"
+    nbs.mkdir()
+    plot = "from moekit import viz\nassert M == 7\nviz.plot_tokens_per_expert([1, 2, 3])"
+    _notebook(nbs / "01_ok.ipynb", "M = 1", plot, tags=["figure:tiny"])
+    _notebook(nbs / "02_fails.ipynb", "M = 1", "raise ValueError('boom')")
+    args = ["--notebooks", str(nbs), "--out", str(out), "--update-docs", "--docs-dir", str(docs)]
+    assert walkthrough.main([*args, "--only", "01", "-p", "M", "7"]) == 0
+    assert (out / "01_ok.html").exists() and (out / "index.html").exists()
+    assert (out / "figures" / "tiny.png").read_bytes().startswith(b"\x89PNG")
+    assert (docs / "tiny.png").exists()
+    assert walkthrough.main([*args, "01:M=7"]) == 1  # 02 fails: exit status 1, docs untouched
+    printed = capsys.readouterr()
+    assert "02_fails" in printed.out and "FAILED" in printed.out and "boom" in printed.err
+    assert "FAILED" in (out / "index.html").read_text()

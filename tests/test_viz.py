@@ -109,3 +109,54 @@ def test_plots_never_touch_pyplot():
 def test_import_moekit_does_not_import_matplotlib():
     code = "import sys, moekit, moekit.viz, moekit.widgets; assert 'matplotlib' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _write_records(folder):
+    import json
+
+    env = {"gpu": "NVIDIA H200", "date": "2026-11-30"}
+    anchors = {"vllm_triton": 393.0}
+    layer_rows = [
+        {"peer": p, "M": M, "us": us, "floor_us": fl, "status": "ok", "anchors_us": anchors if M == 128 else {}}
+        for p, M, us, fl in [("triton", 1, 30.0, 17.6), ("triton", 128, 320.0, 281.0), ("torch", 1, 60.0, 17.6)]
+    ] + [{"peer": "deep_gemm", "M": 1, "status": "skipped: no deep_gemm"}]
+    chunk_rows = [
+        {"C": None, "us": 100.0, "floor_us": 50.0, "status": "ok", "ratio_vs_unchunked": 1.0},
+        {"C": 256, "us": 120.0, "floor_us": 50.0, "status": "ok", "ratio_vs_unchunked": 1.2},
+    ]
+    count_rows = [
+        {"M": 262144, "topk": 8, "E": 256, "ep": 1, "method": m, "us": us}
+        for m, us in [("histogram", 7.0), ("scan", 600.0), ("torch.bincount", 40.0)]
+    ]
+    records = {
+        "layer-qwen3_30b_a3b-bf16": {"rows": layer_rows},
+        "chunking-qwen3_30b_a3b-bf16": {"rows": chunk_rows},
+        "count": {"rows": count_rows, "anchors": {"torch.histc": 19.7, "target": "<= 8"}},
+    }
+    for name, payload in records.items():
+        (folder / f"{name}-nvidia-h200-2026-11-30.json").write_text(
+            json.dumps({"name": name, "environment": env, **payload})
+        )
+
+
+def test_bench_results_and_plots(tmp_path):
+    assert viz.bench_results(tmp_path) == []
+    assert _png(viz.plot_bench_grid([])).startswith(b"\x89PNG")
+    _write_records(tmp_path)
+    records = viz.bench_results(tmp_path)
+    assert [r["name"] for r in records] == ["chunking-qwen3_30b_a3b-bf16", "count", "layer-qwen3_30b_a3b-bf16"]
+    summary = viz.summary_rows(records)
+    assert summary[2]["rows"] == 4 and summary[2]["ok"] == 3 and summary[0]["gpu"] == "NVIDIA H200"
+    for r in records:
+        assert _png(viz.plot_bench(r)).startswith(b"\x89PNG")
+    fig = viz.plot_bench_grid(records)
+    assert len([ax for ax in fig.axes if ax.has_data()]) == 3
+    layer = viz.plot_bench(records[2]).axes[0]
+    labels = [t.get_text() for t in layer.get_legend().get_texts()]
+    assert labels == ["triton", "torch", "floor", "anchor: vllm_triton"]  # the skipped peer draws nothing
+
+
+def test_bench_results_rejects_foreign_json(tmp_path):
+    (tmp_path / "notes.json").write_text('{"hello": 1}')
+    with pytest.raises(ValueError, match="notes.json"):
+        viz.bench_results(tmp_path)

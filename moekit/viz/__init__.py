@@ -1,0 +1,51 @@
+"""Plots and tables for the notebooks and the walkthrough.
+
+Every ``plot_*`` function draws on ``ax`` when given one, else on a new figure, and returns the
+:class:`matplotlib.figure.Figure`. Figures are built with ``matplotlib.figure.Figure`` rather
+than pyplot: they render with Agg, so a headless machine needs no backend; they never open a
+window; and Jupyter shows a figure once, when it is the value of a cell (or ``display(fig)``).
+matplotlib is imported inside the functions, so ``import moekit`` does not need it.
+
+- :mod:`moekit.viz.chunks`: tokens per (chunk, expert), weight bytes read, workspace bytes;
+- :mod:`moekit.viz.tables`: tables as text, HTML or a figure; tensor shapes at every step;
+- :mod:`moekit.viz.bench`: the recorded GPU benchmark results against anchors and floors.
+
+The numbers behind the plots (:func:`chunk_counts`, :func:`weight_bytes_read`) are plain torch
+and are tested against the count kernel and the trace.
+"""
+
+from moekit.viz._figure import new_axes
+from moekit.viz.bench import bench_results, plot_bench, plot_bench_grid, summary_rows
+from moekit.viz.chunks import (
+    chunk_counts,
+    expert_weight_bytes,
+    plot_counts_heatmap,
+    plot_counts_vs_whole,
+    plot_stacked_chunks,
+    plot_tokens_per_expert,
+    plot_weight_bytes,
+    plot_workspace_bytes,
+    weight_bytes_read,
+)
+from moekit.viz.tables import Table, plot_table, shape_rows, table
+
+__all__ = [
+    "Table",
+    "bench_results",
+    "chunk_counts",
+    "expert_weight_bytes",
+    "new_axes",
+    "plot_bench",
+    "plot_bench_grid",
+    "plot_counts_heatmap",
+    "plot_counts_vs_whole",
+    "plot_stacked_chunks",
+    "plot_table",
+    "plot_tokens_per_expert",
+    "plot_weight_bytes",
+    "plot_workspace_bytes",
+    "shape_rows",
+    "summary_rows",
+    "table",
+    "weight_bytes_read",
+]

@@ -1,0 +1,157 @@
+"""Recorded benchmark results (``benchmarks/results/*.json``): load them, tabulate, plot.
+
+The files are written by ``python -m moekit.bench`` (see :mod:`moekit.bench.common`): each holds
+``{"name", "environment", "rows", ...}``. Three kinds are drawn:
+
+- ``layer-*``: time per call against M for each peer, with the floor and the H200 anchors;
+- ``chunking-*``: time per call against the chunk size C, relative to no chunking;
+- ``count*``: the count kernel's methods on the largest case, with the recorded anchors.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from moekit.viz._figure import axes_or_new, new_axes
+
+KINDS = ("layer", "chunking", "count")
+
+
+def default_results_dir() -> Path:
+    """``benchmarks/results`` of this checkout (or under the cwd when installed elsewhere)."""
+    checkout = Path(__file__).resolve().parents[2]
+    if (checkout / "benchmarks").is_dir():
+        return checkout / "benchmarks" / "results"
+    return Path("benchmarks") / "results"
+
+
+def bench_results(directory: str | Path | None = None) -> list[dict]:
+    """Every ``*.json`` record under ``directory``, sorted by name then date; ``record["path"]`` is set.
+
+    A file that is not a benchmark record (no ``name`` or ``rows``) raises ValueError naming it,
+    so a broken result cannot silently drop out of the plots.
+    """
+    folder = Path(directory) if directory is not None else default_results_dir()
+    records = []
+    for path in sorted(folder.glob("*.json")):
+        record = json.loads(path.read_text())
+        if not isinstance(record, dict) or "name" not in record or not isinstance(record.get("rows"), list):
+            raise ValueError(f"{path} is not a moekit benchmark record (expected keys 'name' and 'rows')")
+        record["path"] = str(path)
+        records.append(record)
+    return sorted(records, key=lambda r: (r["name"], r.get("environment", {}).get("date", "")))
+
+
+def kind(record: dict) -> str:
+    """``"layer"``, ``"chunking"``, ``"count"`` or ``"other"``, from the record's name."""
+    return next((k for k in KINDS if record["name"].startswith(k)), "other")
+
+
+def summary_rows(records: Sequence[dict]) -> list[dict]:
+    """One row per record: name, GPU, date, how many rows, and how many of them are ok."""
+    return [
+        {
+            "name": r["name"],
+            "gpu": r.get("environment", {}).get("gpu", "?"),
+            "date": r.get("environment", {}).get("date", "?"),
+            "rows": len(r["rows"]),
+            "ok": sum(row.get("status", "ok") == "ok" for row in r["rows"]),
+            "file": Path(r.get("path", "")).name,
+        }
+        for r in records
+    ]
+
+
+def _ok(rows):
+    return [r for r in rows if r.get("status", "ok") == "ok" and r.get("us")]
+
+
+def _title(record: dict) -> str:
+    env = record.get("environment", {})
+    return f"{record['name']}\n{env.get('gpu', '?')}, {env.get('date', '?')}"
+
+
+def plot_layer(record: dict, *, ax=None):
+    """Measured us against M per peer (log-log), the floor (dashed) and the anchors (crosses)."""
+    fig, ax = axes_or_new(ax, width=5.6)
+    rows = record["rows"]
+    for peer in dict.fromkeys(r["peer"] for r in rows if "peer" in r):
+        pts = sorted((r["M"], r["us"]) for r in _ok(rows) if r.get("peer") == peer)
+        if pts:
+            ax.plot(*zip(*pts, strict=True), marker="o", ms=4, label=peer)
+    floors = sorted({(r["M"], r["floor_us"]) for r in rows if r.get("floor_us")})
+    if floors:
+        ax.plot(*zip(*floors, strict=True), color="black", ls="--", lw=1, label="floor")
+    anchors = sorted({(name, r["M"], us) for r in rows for name, us in (r.get("anchors_us") or {}).items()})
+    for i, name in enumerate(dict.fromkeys(a[0] for a in anchors)):
+        pts = [(m, us) for n, m, us in anchors if n == name]
+        marker = "x+*D^v"[i % 6]
+        ax.scatter(*zip(*pts, strict=True), marker=marker, s=50, color="black", label=f"anchor: {name}")
+    ax.set(xscale="log", yscale="log", xlabel="M tokens", ylabel="us per call", title=_title(record))
+    ax.legend(fontsize=7)
+    return fig
+
+
+def plot_chunking(record: dict, *, ax=None):
+    """Time per call against the chunk size C (C=None: one chunk), with the floor."""
+    fig, ax = axes_or_new(ax, width=5.6)
+    rows = _ok(record["rows"])
+    labels = ["none" if r.get("C") is None else str(r["C"]) for r in rows]
+    bars = ax.bar(range(len(rows)), [r["us"] for r in rows], color="tab:blue")
+    ratios = [r.get("ratio_vs_unchunked") for r in rows]
+    ax.bar_label(bars, labels=["" if x is None else f"{x:.2f}x" for x in ratios], fontsize=7)
+    floor = next((r["floor_us"] for r in rows if r.get("floor_us")), None)
+    if floor:
+        ax.axhline(floor, color="black", ls="--", lw=1, label="floor")
+        ax.legend(fontsize=7)
+    ax.set_xticks(range(len(rows)), labels)
+    ax.set(xlabel="chunk size C", ylabel="us per call", title=_title(record))
+    return fig
+
+
+def plot_count(record: dict, *, ax=None):
+    """The count methods on the largest recorded case, beside the numeric anchors."""
+    fig, ax = axes_or_new(ax, width=5.6)
+    rows = _ok(record["rows"])
+    if rows:
+        big = max(rows, key=lambda r: (r.get("M", 0), r.get("E", 0)))
+        case = [r for r in rows if all(r.get(k) == big.get(k) for k in ("M", "topk", "E"))]
+        names = [f"{r['method']}" + (f" ep={r['ep']}" if r.get("ep", 1) > 1 else "") for r in case]
+        ax.barh(range(len(case)), [r["us"] for r in case], color="tab:blue", label="measured")
+        ax.set_yticks(range(len(case)), names, fontsize=7)
+        anchors = {k: v for k, v in (record.get("anchors") or {}).items() if isinstance(v, int | float)}
+        for i, (name, us) in enumerate(anchors.items()):
+            ax.axvline(us, color=f"C{i + 1}", ls=":", lw=1.5, label=f"anchor: {name} ({us:g} us)")
+        ax.set_title(f"{_title(record)}\nM={big.get('M')}, topk={big.get('topk')}, E={big.get('E')}", fontsize=9)
+        ax.legend(fontsize=6)
+    ax.set(xscale="log", xlabel="us per call")
+    return fig
+
+
+def plot_bench(record: dict, *, ax=None):
+    """Draw one record with the plot for its kind."""
+    plot = {"layer": plot_layer, "chunking": plot_chunking, "count": plot_count}.get(kind(record))
+    if plot is None:
+        fig, ax = axes_or_new(ax)
+        ax.axis("off")
+        ax.text(0.5, 0.5, f"{record['name']}: no plot for this kind", ha="center")
+        return fig
+    return plot(record, ax=ax)
+
+
+def plot_bench_grid(records: Sequence[dict], *, ncols: int = 2):
+    """Every record in one figure (a placeholder panel when there are none)."""
+    if not records:
+        fig, (ax,) = new_axes(1, height=1.5)
+        ax.axis("off")
+        ax.text(0.5, 0.5, "no benchmark results recorded yet (python -m moekit.bench ...)", ha="center")
+        return fig
+    ncols = min(ncols, len(records))
+    fig, axes = new_axes(ncols, nrows=-(-len(records) // ncols), width=6.0, height=4.4)
+    for ax, record in zip(axes, records, strict=False):
+        plot_bench(record, ax=ax)
+    for ax in axes[len(records) :]:
+        ax.axis("off")
+    return fig
