@@ -48,6 +48,8 @@ def test_layout(path):
     assert "You will learn" in _source(cells[0]), f"{path.name}: cell 1 must say what you will learn"
     params = cells[1]
     assert params["cell_type"] == "code" and "parameters" in params["metadata"].get("tags", [])
+    for line in _source(params).splitlines():  # papermill's inspector skips lines with two "="
+        assert line.count("=") <= 1, f"{path.name}: keep '=' out of parameter comments: {line!r}"
     for node in ast.parse(_source(params)).body:
         assert isinstance(node, ast.Assign), f"{path.name}: the parameters cell holds assignments only"
         ast.literal_eval(node.value)  # literals only, so papermill and the walkthrough can override them
