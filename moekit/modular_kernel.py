@@ -207,6 +207,7 @@ class ModularKernel:
 
     def _run_experts(self, prepared, weights, placement, out_dtype, a2_scale, trace) -> torch.Tensor:
         problem = self._problem(prepared, weights, placement)
+        trace.expert_rows = problem.M
         experts, device = self.experts, prepared.a1q.device
         act_dtype = prepared.a1q.dtype
         whole = experts.workspace_shapes(problem, act_dtype=act_dtype, tokens_meta=prepared.tokens_meta)

@@ -47,7 +47,7 @@ class ChunkRecord:
 
 @dataclass
 class Trace:
-    """All chunks of one ``ModularKernel.forward``."""
+    """All chunks of one ``ModularKernel.forward`` (``M`` is the caller's token count)."""
 
     M: int
     chunk_size: int | None
@@ -56,6 +56,9 @@ class Trace:
     metadata_policy: str
     chunks: list[ChunkRecord] = field(default_factory=list)
     peak_workspace_bytes: int = 0
+    # Rows the experts saw: M without dispatch; the received rows after an all-to-all (their
+    # chunks cover [0, expert_rows)); max tokens per expert in the batched format.
+    expert_rows: int = 0
 
     def __len__(self) -> int:
         return len(self.chunks)
