@@ -203,6 +203,7 @@ def write_index(results: list[Result], out_dir: Path) -> Path:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``moekit walkthrough`` (see the module docstring)."""
     p = argparse.ArgumentParser(
         prog="moekit walkthrough",
         description=__doc__.split("\n\n")[0],

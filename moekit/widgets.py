@@ -66,6 +66,7 @@ class ExplorerView:
 
     @property
     def num_local_experts(self) -> int:
+        """Experts on EP rank 0: ``E / ep_size``."""
         return self.counts.shape[1]
 
     @property
@@ -74,6 +75,7 @@ class ExplorerView:
         return (self.counts > 0).sum(dim=1).tolist()
 
     def summary(self) -> str:
+        """One line: chunks, experts touched per chunk, weight bytes read."""
         p, n = self.params, len(self.touched)
         mean = sum(self.touched) / max(n, 1)
         read = viz.weight_bytes_read(self.counts, self.bytes_per_expert)
@@ -94,8 +96,7 @@ def explorer_view(params: ExplorerParams) -> ExplorerView:
     per_expert = viz.expert_weight_bytes(p.N, p.K)
     sizes = [c for c in CHUNK_SIZES if c < p.M] + [p.M]
     swept = [
-        viz.weight_bytes_read(viz.chunk_counts(r.topk_ids, c, E_local, expert_map=emap), per_expert)
-        for c in sizes
+        viz.weight_bytes_read(viz.chunk_counts(r.topk_ids, c, E_local, expert_map=emap), per_expert) for c in sizes
     ]
     counts = viz.chunk_counts(r.topk_ids, p.C, E_local, expert_map=emap)
     return ExplorerView(p, counts, sizes, swept, per_expert)
@@ -111,9 +112,7 @@ def draw(view: ExplorerView, fig=None):
     viz.plot_stacked_chunks(view.counts, ax=axes[1])
     whole = view.num_local_experts * view.bytes_per_expert
     label = f"skew={view.params.skew:g}"
-    viz.plot_weight_bytes(
-        view.chunk_sizes, {label: view.weight_bytes}, whole=whole, mark=view.params.C, ax=axes[2]
-    )
+    viz.plot_weight_bytes(view.chunk_sizes, {label: view.weight_bytes}, whole=whole, mark=view.params.C, ax=axes[2])
     return fig
 
 
@@ -130,14 +129,13 @@ def explorer(params: ExplorerParams | None = None, **overrides):
         "E": w.SelectionSlider(options=EXPERTS, value=_nearest(p.E, EXPERTS), description="E experts"),
         "topk": w.IntSlider(value=p.topk, min=1, max=8, description="topk", style=style),
         "skew": w.FloatSlider(value=p.skew, min=0.0, max=3.0, step=0.1, description="skew", style=style),
-        "ep_size": w.SelectionSlider(
-            options=EP_SIZES, value=_nearest(p.ep_size, EP_SIZES), description="EP size"
-        ),
+        "ep_size": w.SelectionSlider(options=EP_SIZES, value=_nearest(p.ep_size, EP_SIZES), description="EP size"),
     }
     text, out = w.HTML(), w.Output()
     box = w.VBox([w.HBox(list(sliders.values())[:3]), w.HBox(list(sliders.values())[3:]), text, out])
 
     def update(**values):
+        """Redraw for the sliders' values (ipywidgets calls it on every change)."""
         view = explorer_view(dataclasses.replace(p, **values))
         box.last_view, text.value = view, f"<code>{view.summary()}</code>"
         with out:

@@ -40,6 +40,7 @@ def _show_figures_in_ipython() -> None:
 
 
 def axes_or_new(ax, **size):
+    """``(ax.figure, ax)``, or a new one-panel figure sized by ``size``."""
     return (ax.figure, ax) if ax is not None else (lambda f, a: (f, a[0]))(*new_axes(**size))
 
 
@@ -65,6 +66,7 @@ def colors(n: int):
 
 
 def integer_ticks(ax, *which):
+    """Integer-only ticks on the named axes (``"x"``, ``"y"``)."""
     from matplotlib.ticker import MaxNLocator
 
     for axis in which:
@@ -72,6 +74,7 @@ def integer_ticks(ax, *which):
 
 
 def plain_ticks():
+    """A tick formatter that prints 1, 2, 4... rather than 2^0, 2^1, 2^2..."""
     from matplotlib.ticker import FuncFormatter
 
     return FuncFormatter(lambda v, _: f"{v:g}")
@@ -82,6 +85,8 @@ def kib(v: int) -> str:
 
 
 def enumerate2d(a):
+    """``((i, j), a[i, j])`` over a 2-D array."""
+    """Bytes as a short KiB label."""
     for i in range(a.shape[0]):
         for j in range(a.shape[1]):
             yield (i, j), a[i, j]
