@@ -3,7 +3,8 @@
 Contenders (each starts from the raw global ids and the optional expert_map):
 
 - ``scan``: moekit's seed-algorithm kernel (one program per local expert reads every id);
-- ``histogram``: moekit's one-pass kernel (tl.histogram per tile, one atomic per bin per program);
+- ``histogram``: moekit's one-pass kernel (tl.histogram per tile; its variant, e.g. one launch whose
+  last program writes the output, is recorded in the JSON; ``scripts/gpu_count_variants.py`` compares them);
 - ``torch.bincount``: map and mask in torch, then ``bincount`` (it syncs with the host);
 - ``torch.histc``: map and mask in torch, then ``histc`` on float ids.
 
@@ -30,6 +31,7 @@ from moekit.bench.common import (
     results_path,
     write_json,
 )
+from moekit.kernels import count as count_mod
 from moekit.kernels.count import HistogramTuning, count_expert_num_tokens
 from moekit.reference import count_reference
 from moekit.routing import contiguous_expert_map
@@ -42,6 +44,7 @@ ANCHORS = {  # FACTS.md, H200, do_bench medians, 262144 x 8 ids, E = 256
     "seed scan kernel with a map (later upstream version)": 975.0,
     "torch.histc": 19.7,
     "one-pass tl.histogram + atomics (as recorded: same ids / EP map)": "56.6 / 13.7",
+    "zero-fill + tl.histogram kernel, best of 60 launch shapes (no map / EP map)": "15.2 / 13.9",
     "target: histogram, no map / EP=8 map": "<= 8 / <= 10",
 }
 DEVICE = "cuda"
@@ -156,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     for what, us in ANCHORS.items():
         print(f"  anchor (FACTS.md, H200) {what}: {us} us")
     rows: list[dict] = []
-    payload = dict(ids_dtype=args.ids_dtype, anchors=ANCHORS, rows=rows, tuning=asdict(HistogramTuning()))
+    payload = dict(ids_dtype=args.ids_dtype, anchors=ANCHORS, rows=rows, tuning=asdict(HistogramTuning()),
+                   variant=count_mod._HISTOGRAM_VARIANT)
     cols = ["M", "topk", "E", "ep", "E_local", "method", ("us", "median us", ".1f")]
     cols += [("graph_us", "graph us", ".1f")] if args.graph else []
     cols += [("floor_us", "floor us", ".3g")]

@@ -10,14 +10,13 @@ Two algorithms:
 
 - ``"scan"``: the seed's kernel. One program per local expert reads *every* id: O(E_local x numel)
   loads. Kept because it is the easiest to read, and to show what it costs.
-- ``"histogram"``: one pass. Each program reads its tiles of ids once, builds a partial histogram
-  with ``tl.histogram`` and adds it to the output with one integer atomic per bin.
+- ``"histogram"``: one pass (``moekit.kernels.count_histogram``). Each program reads its tiles of
+  ids once and builds a partial histogram with ``tl.histogram``; in one launch, the partials are
+  added into a cached accumulator and the last program to finish writes the output.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 from dataclasses import dataclass
 
 import torch
@@ -26,16 +25,18 @@ import triton.language as tl
 
 from moekit.device import interpreting
 from moekit.errors import InvalidIdsError, InvalidInputError
+from moekit.kernels.count_histogram import (  # noqa: F401  (_count_histogram_kernel: read by notebook 04)
+    DEFAULT_VARIANT,
+    MAX_NUMEL,
+    _count_histogram_kernel,
+    count_histogram,
+)
 from moekit.validate import check_expert_map, check_ids
 
 METHODS = ("histogram", "scan")
-# Offsets are int32 inside the kernels, and the last tile may run up to BLOCK (<= 2**16) past numel.
-_MAX_NUMEL = 2**31 - 2**16
 _MAX_BLOCK = 2**16
-# tl.histogram takes a `mask` in Triton 3.6 and 3.9. On a release without it, invalid ids go to a
-# sentinel bin instead (one more bin, same result).
-_HISTOGRAM_HAS_MASK = "mask" in inspect.signature(tl.histogram).parameters
-_INTERPRETER_SMS = 2  # pretend SM count: keeps the interpreter's grid small but > 1 program
+# Private knob for benchmarks and tests: which count_histogram.VARIANTS entry "histogram" runs.
+_HISTOGRAM_VARIANT = DEFAULT_VARIANT
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ class HistogramTuning:
 
     block: int = 4096
     programs_per_sm: int = 2
-    num_warps: int = 8
+    num_warps: int = 16
 
     def __post_init__(self):
         for name in ("block", "programs_per_sm", "num_warps"):
@@ -91,51 +92,6 @@ def _count_scan_kernel(
     tl.store(out_ptr + p, tl.sum(acc, axis=0))
 
 
-@triton.jit
-def _count_histogram_kernel(
-    # Pointers
-    ids_ptr, map_ptr, out_ptr,
-    # Sizes
-    numel, id_limit, num_local,
-    # Meta-parameters
-    HAS_MAP: tl.constexpr, BLOCK: tl.constexpr, NUM_BINS: tl.constexpr, MASKED: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    offs = tl.arange(0, BLOCK)
-    hist = tl.zeros([NUM_BINS], dtype=tl.int32)
-    # Grid-stride loop: at any moment the running programs read neighbouring tiles (coalesced),
-    # and each program's partial histogram stays in registers until the end.
-    for t in range(pid, tl.cdiv(numel, BLOCK), tl.num_programs(0)):
-        idx = t * BLOCK + offs
-        ids = tl.load(ids_ptr + idx, mask=idx < numel, other=-1)
-        ok = (idx < numel) & (ids >= 0) & (ids < id_limit)
-        local = tl.where(ok, ids, 0)
-        if HAS_MAP:
-            local = tl.load(map_ptr + local, mask=ok, other=-1)
-            ok = ok & (local >= 0) & (local < num_local)
-        # Every value handed to tl.histogram is a valid bin: on a GPU it keeps only the low
-        # log2(NUM_BINS) bits of each value, so an out-of-range id would land in a wrong bin.
-        if MASKED:
-            hist += tl.histogram(tl.where(ok, local, 0).to(tl.int32), NUM_BINS, mask=ok)
-        else:
-            hist += tl.histogram(tl.where(ok, local, NUM_BINS - 1).to(tl.int32), NUM_BINS)
-    bins = tl.arange(0, NUM_BINS)
-    # One atomic per non-empty bin per program. Integer adds are exact and commute, so the
-    # result does not depend on the order the programs finish in.
-    tl.atomic_add(out_ptr + bins, hist, mask=(bins < num_local) & (hist > 0), sem="relaxed")
-
-
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda" or interpreting():
-        return _INTERPRETER_SMS
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
 def _check(topk_ids, num_local_experts, expert_map, method, tuning) -> None:
     if method not in METHODS:
         raise InvalidInputError(f"method must be one of {METHODS}, got {method!r}")
@@ -144,8 +100,8 @@ def _check(topk_ids, num_local_experts, expert_map, method, tuning) -> None:
     check_ids(topk_ids, rank=None)
     if topk_ids.dim() not in (1, 2):
         raise InvalidIdsError(f"topk_ids must be 1-D [numel] or 2-D [M, topk], got shape {tuple(topk_ids.shape)}")
-    if topk_ids.numel() > _MAX_NUMEL:
-        raise InvalidInputError(f"at most {_MAX_NUMEL} ids per call (int32 offsets), got {topk_ids.numel()}")
+    if topk_ids.numel() > MAX_NUMEL:
+        raise InvalidInputError(f"at most {MAX_NUMEL} ids per call (int32 offsets), got {topk_ids.numel()}")
     if topk_ids.device.type == "cpu" and not interpreting():
         raise InvalidInputError("topk_ids is on the CPU but Triton compiles for CUDA; move it to the GPU")
     check_expert_map(expert_map, num_local_experts=num_local_experts, device=topk_ids.device)
@@ -189,6 +145,11 @@ def count_expert_num_tokens(
     nothing syncs with the host. Empty input returns zeros without launching a kernel. Both
     methods give identical, deterministic results.
 
+    ``"histogram"`` is one launch that keeps a small zeroed scratch per (device, stream), which
+    each call leaves zeroed again; CUDA graphs share one per device, so replays of captured
+    graphs must not overlap each other. Capturing before any eager count (of the same size of
+    histogram) falls back to a zero-fill plus the kernel; one eager warm-up count avoids that.
+
     Args:
         topk_ids: contiguous int32/int64 ids, ``[M, topk]`` or ``[numel]``, on the kernels' device.
         num_local_experts: E_local > 0 (need not be a power of two).
@@ -209,21 +170,13 @@ def count_expert_num_tokens(
     numel = topk_ids.numel()
     if numel == 0:  # upstream's block size would be next_power_of_2(0) == 0
         return torch.zeros(num_local_experts, dtype=torch.int32, device=topk_ids.device)
-    id_limit = expert_map.numel() if expert_map is not None else num_local_experts
-    args = dict(numel=numel, id_limit=id_limit, num_local=num_local_experts, HAS_MAP=expert_map is not None)
-    if method == "scan":
-        out = torch.empty(num_local_experts, dtype=torch.int32, device=topk_ids.device)
-        block = triton.next_power_of_2(min(numel, 1024))
-        _count_scan_kernel[(num_local_experts,)](topk_ids, expert_map, out, **args, BLOCK=block)
-        return out
-    tuning = tuning or HistogramTuning()
-    block = min(tuning.block, max(128, triton.next_power_of_2(numel)))
-    grid = min(triton.cdiv(numel, block), _num_sms(topk_ids.device) * tuning.programs_per_sm)
-    bins = triton.next_power_of_2(num_local_experts + (0 if _HISTOGRAM_HAS_MASK else 1))
-    out = torch.zeros(num_local_experts, dtype=torch.int32, device=topk_ids.device)
-    _count_histogram_kernel[(grid,)](
-        topk_ids, expert_map, out, **args,
-        BLOCK=block, NUM_BINS=max(bins, 32), MASKED=_HISTOGRAM_HAS_MASK,
-        num_warps=max(1, min(tuning.num_warps, block // 128)),
+    if method == "histogram":
+        return count_histogram(topk_ids, num_local_experts, expert_map, tuning=tuning or HistogramTuning(),
+                               variant=_HISTOGRAM_VARIANT)
+    out = torch.empty(num_local_experts, dtype=torch.int32, device=topk_ids.device)
+    _count_scan_kernel[(num_local_experts,)](
+        topk_ids, expert_map, out, numel=numel, num_local=num_local_experts, HAS_MAP=expert_map is not None,
+        id_limit=expert_map.numel() if expert_map is not None else num_local_experts,
+        BLOCK=triton.next_power_of_2(min(numel, 1024)),
     )
     return out

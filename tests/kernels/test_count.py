@@ -1,4 +1,4 @@
-"""count_expert_num_tokens vs moekit.reference.count_reference: exact equality, both methods."""
+"""count_expert_num_tokens vs moekit.reference.count_reference: exact equality, both methods, every variant."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import torch
 
 from moekit.errors import InvalidIdsError, InvalidInputError
 from moekit.kernels import count as count_mod
+from moekit.kernels import count_histogram as hist_mod
 from moekit.kernels.count import HistogramTuning, count_expert_num_tokens
 from moekit.reference import count_reference
 from moekit.routing import contiguous_expert_map
@@ -199,12 +200,102 @@ def test_histogram_tunings_agree(tuning, device):
         check(ids, 96 if emap is None else 32, emap, method="histogram", tuning=tuning)
 
 
-def test_histogram_sentinel_bin_fallback(monkeypatch, device):
+@pytest.fixture(params=list(hist_mod.VARIANTS))
+def variant(request, monkeypatch):
+    """Runs the test once per histogram variant (the private knob count._HISTOGRAM_VARIANT)."""
+    monkeypatch.setattr(count_mod, "_HISTOGRAM_VARIANT", request.param)
+    monkeypatch.setattr(hist_mod, "_SCRATCH", {})  # a fresh cache: the test sees only its own scratch
+    return request.param
+
+
+def scratch_is_clean():
+    """Every cached scratch is back to zero, except the rows "partials" overwrites on every call."""
+    for (_, _, spec, bins, rows), scratch in hist_mod._SCRATCH.items():
+        kept = scratch[rows * bins :] if spec.finish == "partials" else scratch
+        if kept.any():
+            return False
+    return True
+
+
+SMALL_TILES = HistogramTuning(block=128, programs_per_sm=3, num_warps=2)  # 6 programs, each loops
+
+
+def test_variants_are_all_exact(variant, device):
+    # Sizes alternate so the grid, the bin count and the map change between calls on one scratch:
+    # each call must leave its accumulator and its ticket counter at zero for the next.
+    cases = [(300, 6, 64, 1, None), (3, 2, 16, 1, None), (400, 8, 96, 3, SMALL_TILES), (300, 6, 64, 1, SMALL_TILES),
+             (19, 3, 7, 1, SMALL_TILES), (400, 8, 96, 3, None), (40, 4, 64, 4, SMALL_TILES)]
+    for M, topk, E_, ep, tuning in cases:
+        ids = torch.randint(-1, E_ + 3, (M, topk), device=device)
+        for emap in maps(E_, ep, device)[-2:]:
+            check(ids, E_ // ep, emap, method="histogram", tuning=tuning)
+            assert scratch_is_clean(), (variant, M, E_, ep, tuning)
+    uses_scratch = hist_mod.VARIANTS[variant].finish != "memset"
+    assert bool(hist_mod._SCRATCH) == uses_scratch
+
+
+def test_variant_edge_cases(variant, device):
+    ids = torch.tensor([[0, 3], [3, -1], [5, 1]], device=device)
+    emap = torch.tensor([-1, -1, -1, 0, 1, 2], device=device)
+    assert count_expert_num_tokens(ids, 3, emap).tolist() == [2, 0, 1]
+    assert count_expert_num_tokens(ids, 3).tolist() == [1, 1, 0]
+    beyond = torch.tensor([[0, 8], [1, 1000], [2, 2**40], [-5, 3]], device=device)
+    assert check(beyond, 4, contiguous_expert_map(8, 2, 0, device=device), method="histogram").tolist() == [1, 1, 1, 1]
+    assert count_expert_num_tokens(torch.empty(0, 8, dtype=torch.int32, device=device), 5).tolist() == [0] * 5
+    for numel in (1, 129, 1025):  # one program (stores directly), and several with a ragged last tile
+        for dtype in (torch.int32, torch.int64):
+            check(torch.randint(-1, 40, (numel,), dtype=dtype, device=device), 33, method="histogram",
+                  tuning=SMALL_TILES)
+    assert scratch_is_clean()
+
+
+def test_variants_agree_with_each_other(device):
+    ids = distinct_ids(500, 64, 8, device)
+    emap = contiguous_expert_map(64, 2, 1, device=device)
+    results = {}
+    for name in hist_mod.VARIANTS:
+        results[name] = count_mod.count_histogram(ids, 32, emap, tuning=SMALL_TILES, variant=name).tolist()
+    assert len({tuple(r) for r in results.values()}) == 1, results
+
+
+def test_partials_and_atomics_do_not_share_rows(device, monkeypatch):
+    # "partials" leaves its rows dirty and "atomics" needs them zero: same shape, separate scratch.
+    monkeypatch.setattr(hist_mod, "_SCRATCH", {})
+    ids = torch.randint(0, 64, (200, 4), device=device)
+    for name in ["partials", "ticket_atomics", "partials", "ticket_atomics"]:
+        got = count_mod.count_histogram(ids, 64, None, tuning=SMALL_TILES, variant=name)
+        assert torch.equal(got.cpu(), count_reference(ids, 64).cpu()), name
+    assert len(hist_mod._SCRATCH) == 4  # two variants, each with an eager and a graphs scratch
+
+
+def test_capture_without_scratch_falls_back_to_memset(device, monkeypatch):
+    # While a CUDA graph is captured, a new scratch's zero-fill would run only at replay: before
+    # any eager count, the count uses the two-launch memset variant instead, and caches nothing.
+    monkeypatch.setattr(hist_mod, "_SCRATCH", {})
+    monkeypatch.setattr(hist_mod, "_capturing", lambda device: True)
+    ids = torch.randint(-1, 50, (300, 4), device=device)
+    for name in hist_mod.VARIANTS:
+        got = count_mod.count_histogram(ids, 48, None, tuning=SMALL_TILES, variant=name)
+        assert torch.equal(got.cpu(), count_reference(ids, 48).cpu()), name
+    assert hist_mod._SCRATCH == {}
+    monkeypatch.setattr(hist_mod, "_capturing", lambda device: False)
+    count_mod.count_histogram(ids, 48, None, tuning=SMALL_TILES, variant="ticket")
+    assert len(hist_mod._SCRATCH) == 2  # the stream's, and the one graphs will share
+    monkeypatch.setattr(hist_mod, "_capturing", lambda device: True)  # the graphs' scratch is used now
+    for _ in range(3):
+        got = count_mod.count_histogram(ids, 48, None, tuning=SMALL_TILES, variant="ticket")
+        assert torch.equal(got.cpu(), count_reference(ids, 48).cpu())
+    assert len(hist_mod._SCRATCH) == 2 and scratch_is_clean()
+
+
+@pytest.mark.parametrize("name", [n for n, v in hist_mod.VARIANTS.items() if v.binner == "histogram"])
+def test_histogram_sentinel_bin_fallback(name, monkeypatch, device):
     # Triton releases whose tl.histogram has no `mask` use a sentinel bin; both paths agree.
-    monkeypatch.setattr(count_mod, "_HISTOGRAM_HAS_MASK", False)
+    monkeypatch.setattr(hist_mod, "_HISTOGRAM_HAS_MASK", False)
+    monkeypatch.setattr(count_mod, "_HISTOGRAM_VARIANT", name)
     ids = torch.randint(-1, 70, (257, 5), device=device)
     for num_local, emap in [(64, None), (32, contiguous_expert_map(64, 2, 1, device=device)), (31, None)]:
-        check(ids, num_local, emap, method="histogram")
+        check(ids, num_local, emap, method="histogram", tuning=SMALL_TILES)
 
 
 @pytest.mark.gpu
@@ -214,6 +305,55 @@ def test_large_on_gpu(method, M, topk, E_, ep):
     ids = torch.randint(-1, E_, (M, topk), device="cuda")
     for emap in maps(E_, ep, "cuda")[:2]:
         check(ids, E_ // ep, emap, method=method)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,topk,E_,ep", [(262144, 8, 256, 1), (262144, 8, 256, 8), (4096, 8, 256, 1), (128, 8, 64, 1)])
+def test_variants_on_gpu(variant, M, topk, E_, ep):
+    ids = torch.randint(-1, E_, (M, topk), device="cuda", dtype=torch.int32)
+    emap = maps(E_, ep, "cuda")[0]
+    for _ in range(3):  # the ticket counter and the accumulator must reset themselves every call
+        check(ids, E_ // ep, emap, method="histogram")
+    assert scratch_is_clean()
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_on_gpu(monkeypatch):
+    ids = torch.randint(-1, 256, (4096, 8), device="cuda", dtype=torch.int32)
+    expected = count_reference(ids, 256)
+    count_mod.count_histogram(ids, 256, None, tuning=HistogramTuning(), variant="memset")  # compiled before capture
+    for warm in (False, True):  # cold: the memset fallback is captured; warm: the graphs' scratch
+        monkeypatch.setattr(hist_mod, "_SCRATCH", {})
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            if warm:
+                count_expert_num_tokens(ids, 256)
+            stream.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                outs = [count_expert_num_tokens(ids, 256) for _ in range(3)]
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert all(torch.equal(o, expected) for o in outs), warm
+        assert len(hist_mod._SCRATCH) == (2 if warm else 0) and scratch_is_clean()
+
+
+@pytest.mark.gpu
+def test_two_streams_have_their_own_scratch_on_gpu(monkeypatch):
+    monkeypatch.setattr(hist_mod, "_SCRATCH", {})
+    ids = [torch.randint(-1, 256, (65536, 8), device="cuda", dtype=torch.int32) for _ in range(2)]
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    torch.cuda.synchronize()
+    outs = [[], []]
+    for _ in range(20):
+        for k in range(2):
+            with torch.cuda.stream(streams[k]):
+                outs[k].append(count_expert_num_tokens(ids[k], 256))
+    torch.cuda.synchronize()
+    for k in range(2):
+        assert all(torch.equal(o, count_reference(ids[k], 256)) for o in outs[k])
+    assert len(hist_mod._SCRATCH) == 3  # one per stream, one for graphs
 
 
 @pytest.mark.gpu

@@ -1,0 +1,318 @@
+"""The one-pass count behind ``count_expert_num_tokens(method="histogram")``: kernels and variants.
+
+Each program reads its tiles of ids once and counts them into a partial histogram of
+``NUM_BINS >= E_local`` bins (the *binner*); the partials are then combined (the *finish*).
+
+Binners:
+
+- ``histogram``: ``tl.histogram`` per tile (warp ballots; its cost grows with the bin count).
+- ``onehot``: a ``[BLOCK, NUM_BINS]`` compare, summed into a register tile; for few bins.
+- ``atomics``: one global atomic per id into the program's own row of a cached scratch (in L2).
+
+Finishes:
+
+- ``memset``: ``out = torch.zeros``, then one relaxed atomic per non-empty bin per program. Two
+  launches (the zero-fill, then the kernel).
+- ``ticket``: one launch. The same atomics go into a cached accumulator that is zero between calls.
+  Then each program takes a ticket (an acq_rel atomic on a cached counter); the program that draws
+  the last one swaps the accumulator with zeros into ``out`` (``torch.empty``) and resets the
+  counter to 0. Nothing is ever zero-filled again after the scratch is created.
+- ``partials``: one launch. Each program stores its partial row; the last program sums the rows.
+
+The scratch is cached per (device, stream, variant, bins, rows) and never freed (a captured CUDA
+graph may point at it); CUDA graphs share one scratch per device instead of the capture stream's.
+So these kernels are **stream-ordered**: counts on one stream are fine, counts on different
+streams each have their own scratch, but replays of captured graphs must not overlap each other
+(replay them on one stream). The first eager count creates the scratch zeroed, graphs' included;
+a capture before any eager count (same variant, bins and rows) falls back to the ``memset``
+variant, whose zero-fill is then a node of the graph.
+
+``VARIANTS`` names the combinations; ``count._HISTOGRAM_VARIANT`` (private, for benchmarks) picks
+one. Every variant gives the same exact, deterministic int32 counts.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+from moekit.device import interpreting
+
+if TYPE_CHECKING:
+    from moekit.kernels.count import HistogramTuning
+
+# Offsets are int32 inside the kernels, and the last tile may run up to BLOCK (<= 2**16) past numel.
+MAX_NUMEL = 2**31 - 2**16
+_ONEHOT_CELLS = 8192  # onehot: BLOCK * NUM_BINS counters held in registers
+# tl.histogram takes a `mask` in Triton 3.6 and 3.9. On a release without it, invalid ids go to a
+# sentinel bin instead (one more bin, same result).
+_HISTOGRAM_HAS_MASK = "mask" in inspect.signature(tl.histogram).parameters
+_INTERPRETER_SMS = 2  # pretend SM count: keeps the interpreter's grid small but > 1 program
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way to count: a binner, a finish, and whether the next tile is loaded ahead."""
+
+    binner: str  # "histogram" | "onehot" | "atomics"
+    finish: str  # "memset" | "ticket" | "partials"
+    prefetch: bool
+
+
+VARIANTS = {
+    "memset": Variant("histogram", "memset", prefetch=False),
+    "ticket": Variant("histogram", "ticket", prefetch=False),
+    "ticket_prefetch": Variant("histogram", "ticket", prefetch=True),
+    "partials": Variant("histogram", "partials", prefetch=True),
+    "ticket_onehot": Variant("onehot", "ticket", prefetch=True),
+    "ticket_atomics": Variant("atomics", "ticket", prefetch=True),
+}
+DEFAULT_VARIANT = "ticket_prefetch"
+
+
+@triton.jit
+def _load_tile(ids_ptr, t, num_tiles, numel, BLOCK: tl.constexpr):
+    # A tile past the last one (a prefetch) reads nothing; clamping t keeps its int32 offsets in range.
+    idx = tl.minimum(t, num_tiles - 1) * BLOCK + tl.arange(0, BLOCK)
+    end = tl.where(t < num_tiles, numel, 0)
+    return tl.load(ids_ptr + idx, mask=idx < end, other=-1)  # -1: an empty slot, never counted
+
+
+@triton.jit
+def _to_local(ids, map_ptr, id_limit, num_local, HAS_MAP: tl.constexpr):
+    # Compare in the ids' own dtype: casting an int64 id to int32 first could wrap it into range.
+    ok = (ids >= 0) & (ids < id_limit)
+    local = tl.where(ok, ids, 0)
+    if HAS_MAP:
+        # A masked gather, never an `if` on a tensor; lanes with a bad id read nothing.
+        local = tl.load(map_ptr + local, mask=ok, other=-1)
+        ok = ok & (local >= 0) & (local < num_local)
+    return tl.where(ok, local, 0).to(tl.int32), ok
+
+
+@triton.jit
+def _program_counts(
+    ids_ptr, map_ptr, row_ptr, numel, id_limit, num_local,
+    HAS_MAP: tl.constexpr, BLOCK: tl.constexpr, NUM_BINS: tl.constexpr,
+    BINNER: tl.constexpr, MASKED: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    """This program's partial histogram of its tiles (grid-stride), int32 [NUM_BINS]."""
+    pid = tl.program_id(0)
+    step = tl.num_programs(0)
+    num_tiles = tl.cdiv(numel, BLOCK)
+    bins = tl.arange(0, NUM_BINS)
+    hist = tl.zeros([NUM_BINS], dtype=tl.int32)
+    if BINNER == "onehot":
+        cells = tl.zeros([BLOCK, NUM_BINS], dtype=tl.int32)
+    if PREFETCH:
+        ahead = _load_tile(ids_ptr, pid, num_tiles, numel, BLOCK)
+    for t in range(pid, num_tiles, step):
+        if PREFETCH:  # the next tile's load is in flight while this one is counted
+            ids = ahead
+            ahead = _load_tile(ids_ptr, t + step, num_tiles, numel, BLOCK)
+        else:
+            ids = _load_tile(ids_ptr, t, num_tiles, numel, BLOCK)
+        local, ok = _to_local(ids, map_ptr, id_limit, num_local, HAS_MAP)
+        if BINNER == "histogram":
+            # On a GPU tl.histogram keeps only the low log2(NUM_BINS) bits of each value, so every
+            # value it sees must be a valid bin: invalid lanes are masked, or sent to a spare bin.
+            if MASKED:
+                hist += tl.histogram(local, NUM_BINS, mask=ok)
+            else:
+                hist += tl.histogram(tl.where(ok, local, NUM_BINS - 1), NUM_BINS)
+        elif BINNER == "onehot":
+            cells += ((local[:, None] == bins[None, :]) & ok[:, None]).to(tl.int32)
+        else:
+            tl.atomic_add(row_ptr + local, tl.full([BLOCK], 1, tl.int32), mask=ok, sem="relaxed")
+    if BINNER == "onehot":
+        hist = tl.sum(cells, axis=0)
+    if BINNER == "atomics":
+        tl.debug_barrier()  # all of this program's adds are done before its row is read back
+        hist = tl.atomic_xchg(row_ptr + bins, tl.zeros([NUM_BINS], dtype=tl.int32), sem="relaxed")
+    return hist
+
+
+@triton.jit
+def _sum_rows(rows_ptr, num_rows, NUM_BINS: tl.constexpr, ROWS: tl.constexpr):
+    bins = tl.arange(0, NUM_BINS)
+    r = tl.arange(0, ROWS)
+    total = tl.zeros([NUM_BINS], dtype=tl.int32)
+    for r0 in range(0, num_rows, ROWS):
+        rows = r0 + r
+        # .cg: read the rows from L2, where the other programs' stores landed, not from L1.
+        part = tl.load(rows_ptr + rows[:, None] * NUM_BINS + bins[None, :], mask=(rows < num_rows)[:, None],
+                       other=0, cache_modifier=".cg")
+        total += tl.sum(part, axis=0)
+    return total
+
+
+@triton.jit
+def _count_histogram_kernel(
+    # Pointers
+    ids_ptr, map_ptr, out_ptr,
+    # Sizes
+    numel, id_limit, num_local,
+    # Meta-parameters
+    HAS_MAP: tl.constexpr, BLOCK: tl.constexpr, NUM_BINS: tl.constexpr, MASKED: tl.constexpr,
+):
+    # The "memset" variant: `out` was zero-filled by a separate launch.
+    hist = _program_counts(ids_ptr, map_ptr, out_ptr, numel, id_limit, num_local,
+                           HAS_MAP, BLOCK, NUM_BINS, "histogram", MASKED, False)
+    bins = tl.arange(0, NUM_BINS)
+    # One atomic per non-empty bin per program. Integer adds are exact and commute, so the
+    # result does not depend on the order the programs finish in.
+    tl.atomic_add(out_ptr + bins, hist, mask=(bins < num_local) & (hist > 0), sem="relaxed")
+
+
+@triton.jit
+def _count_histogram_single_launch_kernel(
+    # Pointers
+    ids_ptr, map_ptr, out_ptr, rows_ptr, acc_ptr, counter_ptr,
+    # Sizes
+    numel, id_limit, num_local,
+    # Meta-parameters
+    HAS_MAP: tl.constexpr, BLOCK: tl.constexpr, NUM_BINS: tl.constexpr, MASKED: tl.constexpr,
+    BINNER: tl.constexpr, FINISH: tl.constexpr, PREFETCH: tl.constexpr, SOLO: tl.constexpr,
+    SUM_ROWS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    row_ptr = rows_ptr + pid * NUM_BINS
+    hist = _program_counts(ids_ptr, map_ptr, row_ptr, numel, id_limit, num_local,
+                           HAS_MAP, BLOCK, NUM_BINS, BINNER, MASKED, PREFETCH)
+    bins = tl.arange(0, NUM_BINS)
+    keep = bins < num_local
+    if SOLO:  # one program: its histogram is the answer
+        tl.store(out_ptr + bins, hist, mask=keep)
+    else:
+        if FINISH == "ticket":
+            tl.atomic_add(acc_ptr + bins, hist, mask=keep & (hist > 0), sem="relaxed")
+        else:
+            tl.store(row_ptr + bins, hist)
+        # Every thread's add (or store) happens before this program's ticket, and the ticket's
+        # release/acquire makes all of them visible to the program that draws the last one.
+        tl.debug_barrier()
+        ticket = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
+        if ticket == tl.num_programs(0) - 1:
+            if FINISH == "ticket":  # read and re-zero in one atomic, ready for the next call
+                total = tl.atomic_xchg(acc_ptr + bins, tl.zeros([NUM_BINS], dtype=tl.int32), mask=keep,
+                                       sem="relaxed")
+            else:
+                total = _sum_rows(rows_ptr, tl.num_programs(0), NUM_BINS, SUM_ROWS)
+            tl.store(out_ptr + bins, total, mask=keep)
+            tl.atomic_xchg(counter_ptr, 0, sem="relaxed")
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda" or interpreting():
+        return _INTERPRETER_SMS
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+_SCRATCH: dict[tuple, torch.Tensor] = {}
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+_GRAPHS = "graphs"  # the stream slot of the scratch that CUDA graph captures share
+
+
+def _scratch(device: torch.device, spec: Variant, bins: int, rows: int) -> torch.Tensor | None:
+    """Zeroed int32 ``[rows * bins | bins accumulator | counter, padded to 32]``, or None.
+
+    Eager calls use their stream's scratch; graph captures use one per device, created zeroed by
+    the first eager call (a zero-fill captured into a graph would only run when it replays, so a
+    capture before any eager call gets None). Keyed by the variant too: "partials" leaves its
+    rows dirty, "atomics" needs them zero.
+    """
+    capturing = _capturing(device)
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, _GRAPHS if capturing else stream, spec, bins, rows)
+    scratch = _SCRATCH.get(key)
+    if scratch is None and not capturing:
+        size = rows * bins + bins + 32
+        scratch = _SCRATCH[key] = torch.zeros(size, dtype=torch.int32, device=device)
+        _SCRATCH.setdefault((device, _GRAPHS, spec, bins, rows), torch.zeros_like(scratch))
+    return scratch
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How one call runs: ids per tile, programs, warps, bins, tl.histogram's mask, scratch rows."""
+
+    block: int
+    grid: int
+    num_warps: int
+    bins: int
+    masked: bool
+    rows: int
+
+
+def launch_shape(numel: int, num_local_experts: int, device: torch.device, tuning: HistogramTuning,
+                 spec: Variant) -> Launch:
+    """The launch of ``spec`` for ``numel > 0`` ids (small inputs get a smaller tile and grid)."""
+    masked = spec.binner != "histogram" or _HISTOGRAM_HAS_MASK
+    bins = max(32, triton.next_power_of_2(num_local_experts + (0 if masked else 1)))
+    onehot = spec.binner == "onehot"
+    tile = min(tuning.block, max(16, _ONEHOT_CELLS // bins)) if onehot else tuning.block
+    block = min(tile, max(16 if onehot else 128, triton.next_power_of_2(numel)))
+    grid = min(triton.cdiv(numel, block), _num_sms(device) * tuning.programs_per_sm)
+    warps = max(1, min(tuning.num_warps, block * (bins if onehot else 1) // 128))
+    rows = triton.next_power_of_2(grid) if spec.binner == "atomics" or spec.finish == "partials" else 0
+    return Launch(block=block, grid=grid, num_warps=warps, bins=bins, masked=masked, rows=rows)
+
+
+def count_histogram(
+    topk_ids: torch.Tensor,
+    num_local_experts: int,
+    expert_map: torch.Tensor | None,
+    *,
+    tuning: HistogramTuning,
+    variant: str,
+) -> torch.Tensor:
+    """Tokens per local expert in one pass over the (validated, non-empty) ids; int32 ``[E_local]``.
+
+    In plain Python, for one program of ``grid`` (``partial`` is the binner's work)::
+
+        hist = [0] * num_bins
+        for t in range(pid, num_tiles, grid):             # grid-stride over tiles of ids
+            for e in local_ids(tile(t)):                  # mapped; invalid ids dropped
+                hist[e] += 1
+        finish(hist)   # memset: out += hist (atomics); ticket/partials: the last program writes out
+
+    ``count_expert_num_tokens`` validates the arguments and handles empty input; ``variant`` is a
+    key of ``VARIANTS``.
+    """
+    spec = VARIANTS[variant]
+    device = topk_ids.device
+    shape = launch_shape(topk_ids.numel(), num_local_experts, device, tuning, spec)
+    scratch = None if spec.finish == "memset" else _scratch(device, spec, shape.bins, shape.rows)
+    if scratch is None and spec.finish != "memset":  # a graph capture before any eager count
+        return count_histogram(topk_ids, num_local_experts, expert_map, tuning=tuning, variant="memset")
+    args = dict(numel=topk_ids.numel(), num_local=num_local_experts, HAS_MAP=expert_map is not None,
+                id_limit=expert_map.numel() if expert_map is not None else num_local_experts,
+                BLOCK=shape.block, NUM_BINS=shape.bins, MASKED=shape.masked, num_warps=shape.num_warps)
+    if scratch is None:
+        out = torch.zeros(num_local_experts, dtype=torch.int32, device=device)
+        _count_histogram_kernel[(shape.grid,)](topk_ids, expert_map, out, **args)
+        return out
+    out = torch.empty(num_local_experts, dtype=torch.int32, device=device)
+    acc = shape.rows * shape.bins  # offsets of the accumulator and the counter in the scratch
+    _count_histogram_single_launch_kernel[(shape.grid,)](
+        topk_ids, expert_map, out, scratch, scratch[acc:], scratch[acc + shape.bins :], **args,
+        BINNER=spec.binner, FINISH=spec.finish, PREFETCH=spec.prefetch, SOLO=shape.grid == 1,
+        SUM_ROWS=max(1, _ONEHOT_CELLS // shape.bins),
+    )
+    return out
