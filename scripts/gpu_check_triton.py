@@ -1,34 +1,37 @@
 #!/usr/bin/env python3
-"""TritonExperts on a Hopper GPU: correctness, layer time against targets, and a tile sweep.
+"""TritonExperts on a Hopper GPU: correctness, layer time against targets, per-GEMM TF/s, tile sweep.
 
     python3 scripts/gpu_check_triton.py          # H200: Qwen3-30B-A3B layer, E=128, topk=8, K=2048, N=1536
     python3 scripts/gpu_check_triton.py --smoke  # tiny shapes, runs anywhere (CPU interpreter)
 
-For M in {1, 128, 4096, 16384} and bf16 then fp8 block (about 2-3 minutes, mostly compiles):
+Cases: bf16 M in {1, 128, 4096, 16384}, fp8 block M=4096 (about 2-3 minutes). First every GEMM
+variant the run needs is compiled, in parallel threads. Then, per case:
 
-1. correctness: ModularKernel(NoEP, TritonExperts) against an fp32 reference (for fp8, one that
-   quantizes where the kernels do: the input, and the intermediate in 1x128 groups);
-2. layer time with the committed table (``do_bench`` median; CUDA graph for M <= 128), the
-   experts alone (align, GEMM1, activation, GEMM2: no prepare/finalize), align alone, and the
-   floor ``max(bytes / 4.3 TB/s, flops / peak)`` (bytes: weights of the experts hit plus
-   activations; peak 790 TF/s bf16, 1365 TF/s fp8);
-3. the same with ``TritonExperts(fuse_activation=True)`` (silu_and_mul, and for fp8 the
-   requantization, in GEMM1's epilogue);
-4. a sweep of candidate tiles for GEMM1, gated GEMM1 and GEMM2 separately (each checked against
-   the first candidate's output), then the layer with the fastest tiles. The "suggested table"
-   entries it prints are the ``gemm1`` / ``gemm1_gated`` / ``gemm2`` keys of a bucket of
-   ``moekit/configs/fused_moe.json``.
+1. correctness: ModularKernel(NoEP, TritonExperts) with separate and with fused activation against
+   an fp32 reference (for fp8, one that quantizes where the kernels do);
+2. times with the committed table (``do_bench`` median; CUDA graph for M <= 128): the layer
+   (separate activation, then fused), the experts alone, ``moe_align_block_size`` eager and in a
+   graph (the graph number is GPU time; eager adds the host's launch cost), and the floor
+   ``max(bytes / 4.3 TB/s, flops / peak)``;
+3. each GEMM alone (GEMM1, gated GEMM1, GEMM2): the table's tile first, then the sweep's
+   candidates (``t`` = weights through TMA), with TF/s (useful flops: real pairs, not padding)
+   and, where memory-bound, TB/s of weights; each checked against the table tile's output;
+4. the layer with the fastest tiles (separate and fused).
 
-Prints tables; writes ``$OUT/gpu_check_triton.json`` when ``OUT`` is set (after every row).
+The sweep stops at ``BUDGET_S``. Prints one line per case and a summary table last; writes
+``$OUT/gpu_check_triton.json`` (after every case) when ``OUT`` is set.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
@@ -39,6 +42,8 @@ import moekit  # noqa: I001
 import torch
 import triton
 
+import moekit.kernels.align as align_mod
+import moekit.kernels.fused_moe as gemm_mod
 from moekit import QuantScheme
 from moekit.experts.triton import TritonExperts
 from moekit.kernels.align import moe_align_block_size
@@ -55,44 +60,49 @@ from moekit.workspace import WorkspacePool
 TARGET_US = {1: 35, 128: 320, 4096: 600, 16384: 2100}  # bf16 goals
 VLLM_US = {("bf16", 1): 89, ("bf16", 128): 393, ("bf16", 4096): 1030, ("bf16", 16384): 3171, ("fp8", 4096): 1647}
 PEAK = {"bf16": 790e12, "fp8": 1365e12}
-BUDGET_S = 165  # stop sweeping past this, so the whole run stays under 3 minutes
+CASES = [("bf16", 1), ("bf16", 128), ("bf16", 4096), ("bf16", 16384), ("fp8", 4096)]
+BUDGET_S = 170  # no new sweep candidate past this (from the start of the script)
+STAGES = ("gemm1", "gemm1_gated", "gemm2")
 
 
-def C(bm, bn, bk, g, w, s):
-    return KernelConfig(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=g, num_warps=w, num_stages=s)
+def C(spec: str) -> KernelConfig:
+    """'128x256x64 g8 w8 s3 t' -> KernelConfig (t: TMA weights)."""
+    parts = spec.split()
+    bm, bn, bk = map(int, parts[0].split("x"))
+    kw = {"g": 8, "w": 4, "s": 3} | {p[0]: int(p[1:]) for p in parts[1:] if p != "t"}
+    return KernelConfig(bm, bn, bk, GROUP_M=kw["g"], num_warps=kw["w"], num_stages=kw["s"], tma="t" in parts)
 
 
-# Candidates per bucket of rows per expert (r = M * topk / E), for GEMM1 and GEMM2, and for the
-# gated GEMM1 (silu_and_mul fused: two accumulators and two weight tiles per program, so about
-# half the columns fit in registers and shared memory; fp8 needs BLOCK_N = 128 there).
-CANDIDATES = {
-    "bf16": {
-        "decode": [C(16, 64, 128, 1, 4, 4), C(16, 32, 128, 1, 4, 4), C(16, 128, 128, 1, 4, 3)],
-        "mid": [C(64, 128, 64, 8, 4, 4), C(128, 128, 64, 8, 8, 3), C(64, 256, 64, 8, 8, 3)],
-        "large": [C(128, 128, 64, 8, 8, 3), C(128, 256, 64, 8, 8, 3), C(128, 128, 64, 8, 8, 4)],
+def _specs(text: str) -> list[KernelConfig]:
+    return [C(s.strip()) for s in text.split(",")]
+
+
+# Candidates per (dtype, bucket, GEMM); the table's own tile is always timed first. Shared memory
+# (stages x (BM*BK + BN*BK) x bytes, two weight tiles when gated) stays under 227 KB, and each
+# was compiled for sm_90 with triton 3.6 without register spills (fp8 gated at 128 x 128 spills).
+_LARGE = "128x256x64 w8, 128x256x64 w8 t, 128x256x64 w8 s4, 128x128x64 w8, 128x128x64 w8 t, 128x128x64 w4 s4, " \
+         "256x128x64 w8, 64x256x64 w4 s4, 64x256x64 w4 s4 t, 64x128x64 w4 s4, 128x128x128 w8"  # fmt: skip
+_DECODE = "16x128x128 g1, 16x128x128 g1 t, 16x64x128 g1 s4, 16x128x128 g1 s4, 16x256x128 g1 w8, 16x64x128 g1 t"
+SWEEP = {
+    ("bf16", "decode"): {
+        "gemm1": _specs(_DECODE),
+        "gemm1_gated": _specs("16x64x128 g1, 16x64x128 g1 t, 16x64x128 g1 s4, 16x128x128 g1, 16x32x128 g1 s4"),
+        "gemm2": _specs(_DECODE),
     },
-    "fp8": {
-        "decode": [C(16, 64, 128, 1, 4, 4), C(16, 32, 128, 1, 4, 4)],
-        "mid": [C(64, 128, 128, 8, 4, 3), C(128, 128, 128, 8, 8, 3)],
-        "large": [C(128, 128, 128, 8, 8, 3), C(128, 256, 128, 8, 8, 3)],
+    ("bf16", "large"): {
+        "gemm1": _specs(_LARGE),
+        "gemm1_gated": _specs(
+            "128x128x64 w8, 128x128x64 w8 t, 128x128x64 w8 s4, 64x128x64 w4 s4, 64x128x64 w4 s4 t, "
+            "64x128x64 w8 s4, 128x64x64 w4 s4, 256x64x64 w8"
+        ),
+        "gemm2": _specs(_LARGE),
+    },
+    ("fp8", "large"): {
+        "gemm1": _specs("64x256x128 w8, 64x256x128 w8 t, 128x128x128 w8, 128x128x128 w8 t, 64x128x128 w4 s4"),
+        "gemm1_gated": _specs("64x128x128 w8, 64x128x128 w8 t, 64x128x128 w8 s4, 64x128x128 w8 s4 t"),
+        "gemm2": _specs("64x256x128 w8, 64x256x128 w8 t, 128x128x128 w8, 128x128x128 w8 t, 64x128x128 w4 s4"),
     },
 }
-GATED = {
-    "bf16": {
-        "decode": [C(16, 32, 128, 1, 4, 4), C(16, 64, 128, 1, 4, 4)],
-        "mid": [C(64, 128, 64, 8, 8, 3), C(64, 64, 64, 8, 4, 4)],
-        "large": [C(128, 128, 64, 8, 8, 3), C(128, 64, 64, 8, 4, 4)],
-    },
-    "fp8": {
-        "decode": [C(16, 128, 128, 1, 4, 3), C(16, 128, 128, 1, 4, 4)],
-        "mid": [C(64, 128, 128, 8, 4, 3), C(64, 128, 128, 8, 8, 3)],
-        "large": [C(128, 128, 128, 8, 8, 3), C(64, 128, 128, 8, 4, 4)],
-    },
-}
-
-
-def bucket(r: float) -> str:
-    return "decode" if r <= 16 else ("mid" if r <= 512 else "large")
 
 
 def bench_us(fn, graph: bool) -> float:
@@ -105,12 +115,36 @@ def bench_us(fn, graph: bool) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e3
 
 
+@contextlib.contextmanager
+def compile_only(threads: int):
+    """Inside, GEMM and align launches only compile, in parallel threads; all done on exit."""
+    kernels = [(gemm_mod, "_fused_moe_kernel")] + [
+        (align_mod, n) for n in ("_align_count_kernel", "_align_scan_kernel", "_align_scatter_kernel")
+    ]
+    saved = [(mod, name, getattr(mod, name)) for mod, name in kernels]
+
+    class _Warm:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            return lambda *a, **kw: self.fn.warmup(*a, grid=grid, **kw)
+
+    for mod, name, fn in saved:
+        setattr(mod, name, _Warm(fn))
+    try:
+        with triton.AsyncCompileMode(ThreadPoolExecutor(threads), ignore_errors=True):
+            yield
+    finally:
+        for mod, name, fn in saved:
+            setattr(mod, name, fn)
+
+
 def fp8_reference(hidden, q1, q2, weights, ids, s1, s2, *, round_bf16=True):
     """fp32 layer on fp8-quantized input and weights, with the intermediate requantized.
 
     ``round_bf16``: GEMM1's output is rounded to bf16 before the activation, as the separate
-    kernels do; the fused epilogue quantizes the fp32 value. Near a rounding boundary of e4m3,
-    that one bf16 rounding flips a code, so each path is checked against its own reference.
+    kernels do; the fused epilogue quantizes the fp32 value.
     """
     x = dq_act(*q_act(hidden))
     w1, w2 = dequantize_fp8_block(q1, s1), dequantize_fp8_block(q2, s2)
@@ -124,12 +158,205 @@ def fp8_reference(hidden, q1, q2, weights, ids, s1, s2, *, round_bf16=True):
     return (out * weights.unsqueeze(-1)).sum(dim=1)
 
 
-def floor_us(M, ids, K, N, topk, kind) -> float:
-    hit = int(torch.unique(ids).numel())
-    wbytes = 1 if kind == "fp8" else 2
-    bytes_ = hit * (N * K + K * N // 2) * wbytes + 2 * M * K * 2
-    flops = 2 * M * topk * (N * K + K * N // 2)
-    return max(bytes_ / 4.3e12, flops / PEAK[kind]) * 1e6
+class Case:
+    """One (dtype, M): inputs, weights, and the functions that the checks and timings call."""
+
+    def __init__(self, kind, M, shape, weights, dev):
+        self.kind, self.M, (self.E, self.topk, self.K, self.N) = kind, M, shape
+        self.fp8 = kind == "fp8"
+        self.w1, self.w2, self.q1, self.q2, self.s1, self.s2 = weights
+        self.wa, self.wb = (self.q1, self.q2) if self.fp8 else (self.w1, self.w2)
+        self.scales = dict(w1_scale=self.s1, w2_scale=self.s2) if self.fp8 else {}
+        self.quant = QuantScheme.FP8_BLOCK if self.fp8 else QuantScheme.NONE
+        self.cdtype = torch.float8_e4m3fn if self.fp8 else torch.bfloat16
+        self.graph = M <= 128
+        self.hidden = torch.randn(M, self.K, device=dev).bfloat16()
+        w, self.ids = torch.softmax(torch.randn(M, self.E, device=dev), dim=-1).topk(self.topk, dim=-1)
+        self.weights = (w / w.sum(-1, keepdim=True)).float()
+        self.r = M * self.topk / self.E
+        self.bucket = "decode" if self.r <= 16 else "large"
+        R, H = M * self.topk, self.N // 2
+        if self.fp8:
+            self.a1, self.a1_s = q_act(self.hidden)
+            self.mid, self.mid_s = q_act(torch.randn(R, H, device=dev).bfloat16())
+            self.gated = lambda: GatedOutput(out_scale=torch.empty(R, H // 128, device=dev))
+            self.out_g = torch.empty(R, H, device=dev, dtype=torch.float8_e4m3fn)
+        else:
+            self.a1, self.a1_s, self.mid, self.mid_s = self.hidden, None, torch.randn(R, H, device=dev).bfloat16(), None
+            self.gated, self.out_g = GatedOutput, torch.empty(R, H, device=dev, dtype=torch.bfloat16)
+        self.out1 = torch.empty(R, self.N, device=dev, dtype=torch.bfloat16)
+        self.out2 = torch.empty(R, self.K, device=dev, dtype=torch.bfloat16)
+
+    def table(self, stage: str) -> KernelConfig:
+        s, gated = (2, False) if stage == "gemm2" else (1, stage == "gemm1_gated")
+        n, k = (self.K, self.N // 2) if s == 2 else (self.N, self.K)
+        cfg = get_config(self.M, n, k, self.E, self.topk, self.cdtype, stage=s, gated=gated)
+        return replace(cfg, BLOCK_N=128) if self.fp8 and gated else cfg
+
+    def candidates(self, stage: str, limit: int | None = None) -> list[KernelConfig]:
+        table = self.table(stage)
+        rest = [c for c in SWEEP.get((self.kind, self.bucket), {}).get(stage, []) if c != table]
+        return ([table] + rest)[:limit]
+
+    def layer(self, configs=None, fused=False):
+        experts = TritonExperts(quant=self.quant, configs=configs, fuse_activation=fused)
+        mk = moekit.ModularKernel(NoEPPrepareFinalize(), experts, trace_counts=False)
+        return lambda: mk(self.hidden, self.wa, self.wb, self.weights, self.ids, **self.scales)
+
+    def experts_alone(self):
+        experts, E = TritonExperts(quant=self.quant), self.E
+        prepared = NoEPPrepareFinalize().prepare(
+            self.hidden, self.weights, self.ids, quant=self.quant, placement=ExpertPlacement(E, E)
+        )
+        problem = ProblemSize(self.M, self.N, self.K, self.topk, E, E)
+        shapes = experts.workspace_shapes(problem, act_dtype=prepared.a1q.dtype)
+        views = WorkspacePool(self.hidden.device).take(shapes)
+        out = torch.empty(shapes.output, dtype=shapes.dtype, device=self.hidden.device)
+        w = MoEWeights(self.wa, self.wb, self.scales.get("w1_scale"), self.scales.get("w2_scale"))
+        call = ExpertsCall(out, prepared.a1q, prepared.a1q_scale, self.ids, w, views.workspace13, views.workspace2, E)
+        return lambda: experts.apply(call)
+
+    def gemm(self, stage: str, cfg: KernelConfig):
+        """(fn, out) running one GEMM alone with ``cfg``."""
+        blocks = moe_align_block_size(self.ids, cfg.BLOCK_M, self.E, keep_empty=True)
+        if stage == "gemm2":
+            a, a_s, w, w_s, out, ppr, g = self.mid, self.mid_s, self.wb, self.s2, self.out2, 1, None
+        else:
+            a, a_s, w, w_s, ppr = self.a1, self.a1_s, self.wa, self.s1, self.topk
+            out, g = (self.out_g, self.gated()) if stage == "gemm1_gated" else (self.out1, None)
+        kw = dict(pairs_per_row=ppr, config=cfg, a_scale=a_s, w_scale=w_s if self.fp8 else None, gated=g)
+        return (lambda: fused_moe_gemm(a, w, out, blocks, **kw)), (out, g)
+
+    def rates(self, stage: str, us: float) -> dict:
+        """Useful TF/s (real pairs only) and, for decode, TB/s of the weights of the experts hit."""
+        R, H, K = self.M * self.topk, self.N // 2, self.K
+        flops = 2 * R * (self.N * K if stage != "gemm2" else K * H)
+        hit = int(torch.unique(self.ids).numel())
+        wbytes = hit * self.N * K * (1 if self.fp8 else 2) / (1 if stage != "gemm2" else 2)
+        return dict(tflops=round(flops / us / 1e6, 1), weight_tbs=round(wbytes / us / 1e6, 2))
+
+    def floor_us(self) -> float:
+        hit = int(torch.unique(self.ids).numel())
+        K, N, M, topk = self.K, self.N, self.M, self.topk
+        bytes_ = hit * (N * K + K * N // 2) * (1 if self.fp8 else 2) + 2 * M * K * 2
+        flops = 2 * M * topk * (N * K + K * N // 2)
+        return max(bytes_ / 4.3e12, flops / PEAK[self.kind]) * 1e6
+
+
+def precompile(cases: list[Case], threads: int = 12) -> float:
+    """Compile every GEMM variant (and the aligns they need) before timing anything."""
+    t = time.time()
+    with compile_only(threads):
+        for case in cases:
+            for stage in STAGES:
+                for cfg in case.candidates(stage):
+                    with contextlib.suppress(Exception):
+                        case.gemm(stage, cfg)[0]()
+    return time.time() - t
+
+
+def check(case: Case, row: dict) -> None:
+    """Correctness of the layer with separate and with fused activation."""
+    for fused in (False, True):
+        c = case
+        if c.fp8:
+            ref = fp8_reference(c.hidden, c.q1, c.q2, c.weights, c.ids, c.s1, c.s2, round_bf16=not fused)
+        elif not fused:
+            ref = moe_reference(c.hidden, c.w1, c.w2, c.weights, c.ids)
+        out = c.layer(fused=fused)().float()
+        row[f"max_err_rel{'_fused' if fused else ''}"] = round(float((out - ref).abs().max() / ref.abs().max()), 5)
+    row["ok"] = max(row["max_err_rel"], row["max_err_rel_fused"]) < 2e-2
+
+
+def sweep(case: Case, row: dict, t0: float, limit: int | None) -> None:
+    """Time each GEMM alone: the table's tile, then the candidates (until the budget runs out)."""
+    for stage in STAGES:
+        results, ref = [], None
+        for i, cfg in enumerate(case.candidates(stage, limit)):
+            if i and time.time() - t0 > BUDGET_S:
+                row.setdefault("sweep_cut", []).append(stage)
+                break
+            entry = dict(cfg=asdict(cfg))
+            try:
+                fn, (out, g) = case.gemm(stage, cfg)
+                fn()
+                got = out.float() * (g.out_scale.repeat_interleave(128, 1) if g and g.out_scale is not None else 1)
+                ref = got if ref is None else ref
+                entry["diff"] = round(float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6)), 4)
+                # By norm: a flipped fp8 code is a few % of one element, a wrong tile is ~1.
+                entry["ndiff"] = round(float((got - ref).norm() / ref.norm().clamp_min(1e-6)), 5)
+                entry["us"] = round(bench_us(fn, case.graph), 1)
+                entry |= case.rates(stage, entry["us"])
+            except Exception as e:
+                entry["error"] = f"{type(e).__name__}: {e}"[:200]
+            results.append(entry)
+        row[f"sweep_{stage}"] = results
+        ok = [e for e in results if "us" in e and e["ndiff"] < 1e-2]
+        best = min(ok, key=lambda e: e["us"]) if ok else None
+        row[f"table_{stage}"] = results[0] if results else None
+        row[f"best_{stage}"] = best
+
+
+def run_case(case: Case, t0: float, limit: int | None) -> dict:
+    c = case
+    row = dict(kind=c.kind, M=c.M, r=c.r, floor_us=round(c.floor_us(), 1), vllm_us=VLLM_US.get((c.kind, c.M)),
+               target_us=TARGET_US.get(c.M) if c.kind == "bf16" else None)  # fmt: skip
+    steps = [
+        ("check", lambda: check(c, row)),
+        ("layer_us", lambda: bench_us(c.layer(), c.graph)),
+        ("layer_fused_us", lambda: bench_us(c.layer(fused=True), c.graph)),
+        ("experts_us", lambda: bench_us(c.experts_alone(), c.graph)),
+        ("align_us", lambda: bench_us(lambda: moe_align_block_size(c.ids, c.table("gemm1").BLOCK_M, c.E,
+                                                                   keep_empty=True), False)),  # fmt: skip
+        ("align_graph_us", lambda: bench_us(lambda: moe_align_block_size(c.ids, c.table("gemm1").BLOCK_M, c.E,
+                                                                         keep_empty=True), True)),  # fmt: skip
+        ("sweep", lambda: sweep(c, row, t0, limit)),
+        ("layer_again_us", lambda: bench_us(c.layer(), c.graph)),  # the spread between two timings
+    ]
+    for name, fn in steps:
+        try:
+            value = fn()
+            if value is not None:
+                row[name] = round(value, 1)
+        except Exception as e:  # keep going: later steps and rows still tell something
+            row[f"error_{name}"] = f"{type(e).__name__}: {e}"[:300]
+    b1, bg, b2 = (row.get(f"best_{s}") for s in STAGES)
+    try:
+        if b1 and b2:
+            best = (KernelConfig(**b1["cfg"]), KernelConfig(**b2["cfg"]))
+            row["layer_best_us"] = round(bench_us(c.layer(best), c.graph), 1)
+        if bg and b2:
+            best = (KernelConfig(**bg["cfg"]), KernelConfig(**b2["cfg"]))
+            row["layer_fused_best_us"] = round(bench_us(c.layer(best, fused=True), c.graph), 1)
+    except Exception as e:
+        row["error_best"] = f"{type(e).__name__}: {e}"[:300]
+    return row
+
+
+def _cfg(e) -> str:
+    if not e:
+        return "-"
+    c = e["cfg"]
+    return f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']}w{c['num_warps']}s{c['num_stages']}{'t' if c['tma'] else ''}"
+
+
+def _line(row) -> str:
+    f = lambda k: str(row.get(k, "-"))
+    lines = [
+        f"{row['kind']} M={row['M']}: ok={row.get('ok')} err={f('max_err_rel')}/{f('max_err_rel_fused')}  "
+        f"layer {f('layer_us')} (again {f('layer_again_us')}) fused {f('layer_fused_us')}  best tiles "
+        f"{f('layer_best_us')} / fused {f('layer_fused_best_us')}  experts {f('experts_us')}  align {f('align_us')} "
+        f"(graph {f('align_graph_us')})  floor {f('floor_us')}  target {f('target_us')}  vLLM {f('vllm_us')}"
+    ]
+    for stage in STAGES:  # the table's tile first, then the fastest candidates
+        entries = row.get(f"sweep_{stage}") or []
+        timed = sorted((e for e in entries[1:] if "us" in e), key=lambda e: e["us"])[:4]
+        cells = [f"{_cfg(e)} {e['us']}us {e['tflops']}TF" + (f" nd{e['ndiff']}" if e["ndiff"] > 1e-2 else "")
+                 for e in entries[:1] + timed if "us" in e]  # fmt: skip
+        failed = [_cfg(e) for e in entries if "error" in e]
+        lines.append(f"    {stage:11s} " + " | ".join(cells) + (f"  FAILED {failed}" if failed else ""))
+    lines += [f"    ERROR {k}: {v}" for k, v in row.items() if k.startswith("error")]
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -138,161 +365,44 @@ def main() -> None:
     args = ap.parse_args()
     t0 = time.time()
     dev = moekit.device.get_device()
-    if args.smoke:
-        E, topk, K, N, Ms = 8, 2, 128, 256, (1, 8, 24)
-    else:
-        E, topk, K, N, Ms = 128, 8, 2048, 1536, (1, 128, 4096, 16384)
+    smoke = args.smoke or moekit.device.interpreting()
+    shape = (8, 2, 128, 256) if smoke else (128, 8, 2048, 1536)  # E, topk, K, N
+    cases = [("bf16", 1), ("bf16", 24), ("fp8", 40)] if smoke else CASES
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (interpreter)"
-    print(f"device {name}, torch {torch.__version__}, triton {triton.__version__}; E={E} topk={topk} K={K} N={N}")
+    print(f"device {name}, torch {torch.__version__}, triton {triton.__version__}; E,topk,K,N = {shape}", flush=True)
     torch.manual_seed(0)
+    E, _, K, N = shape
     w1 = (torch.randn(E, N, K, device=dev) / K**0.5).bfloat16()
     w2 = (torch.randn(E, K, N // 2, device=dev) / (N // 2) ** 0.5).bfloat16()
     (q1, s1), (q2, s2) = quantize_fp8_block(w1), quantize_fp8_block(w2)
-    rows, suggested = [], {}
-    out_dir = os.environ.get("OUT")
-
-    def save():
+    built = [Case(kind, M, shape, (w1, w2, q1, q2, s1, s2), dev) for kind, M in cases]
+    meta = dict(device=name, torch=torch.__version__, triton=triton.__version__, shape=shape)
+    try:
+        meta["compile_s"] = round(precompile(built), 1)
+        print(f"compiled all GEMM variants in {meta['compile_s']} s", flush=True)
+    except Exception as e:  # they compile on first use instead
+        meta["error_compile"] = f"{type(e).__name__}: {e}"[:300]
+        print("precompile failed:", meta["error_compile"], flush=True)
+    rows, out_dir = [], os.environ.get("OUT")
+    for case in built:
+        t_case = time.time()
+        rows.append(run_case(case, t0, 2 if smoke else None))
+        rows[-1]["case_s"] = round(time.time() - t_case, 1)
+        print(_line(rows[-1]), flush=True)
         if out_dir:
             Path(out_dir).mkdir(parents=True, exist_ok=True)
-            payload = dict(device=name, shape=dict(E=E, topk=topk, K=K, N=N), rows=rows, suggested=suggested)
+            payload = dict(meta, total_s=round(time.time() - t0, 1), rows=rows)
             Path(out_dir, "gpu_check_triton.json").write_text(json.dumps(payload, indent=1))
-
-    for kind in ("bf16", "fp8"):
-        wa, wb, scales = (q1, q2, dict(w1_scale=s1, w2_scale=s2)) if kind == "fp8" else (w1, w2, {})
-        for M in Ms:
-            row = run_case(kind, M, E, topk, K, N, dev, (wa, wb, scales), (w1, w2, q1, q2, s1, s2), t0)
-            rows.append(row)
-            if "best_gemm1" in row:
-                suggested.setdefault(kind, {})[f"M={M} (r={M * topk / E:g})"] = {
-                    k: row[f"best_{k}"] for k in ("gemm1", "gemm1_gated", "gemm2")}  # fmt: skip
-            save()
-            print(_line(row), flush=True)
-    print("\nsuggested table (fastest tile per GEMM and M):")
-    for kind, per_m in suggested.items():
-        for key, best in per_m.items():
-            print(f"  {kind} {key}:")
-            for name, cfg in best.items():
-                print(f'      "{name}": {json.dumps(cfg)},')
+    print("\nsummary (us; TF/s of useful flops)")
+    print(f"{'case':>12} {'layer':>7} {'fused':>7} {'best':>7} {'fbest':>7} {'align':>6} {'alignG':>6} "
+          f"{'g1':>7} {'g1gated':>7} {'g2':>7} {'floor':>6} {'target':>6}")  # fmt: skip
+    for r in rows:
+        t = lambda s, r=r: (r.get(f"table_{s}") or {}).get("us", "-")
+        print(f"{r['kind'] + ' M=' + str(r['M']):>12} {r.get('layer_us', '-'):>7} {r.get('layer_fused_us', '-'):>7} "
+              f"{r.get('layer_best_us', '-'):>7} {r.get('layer_fused_best_us', '-'):>7} {r.get('align_us', '-'):>6} "
+              f"{r.get('align_graph_us', '-'):>6} {t('gemm1'):>7} {t('gemm1_gated'):>7} {t('gemm2'):>7} "
+              f"{r['floor_us']:>6} {r.get('target_us') or '-':>6}")  # fmt: skip
     print(f"total {time.time() - t0:.0f} s")
-
-
-def run_case(kind, M, E, topk, K, N, dev, weights_used, all_weights, t0) -> dict:
-    """Correctness, layer time, and (within the time budget) the tile sweep for one (dtype, M)."""
-    wa, wb, scales = weights_used
-    w1, w2, q1, q2, s1, s2 = all_weights
-    quant = QuantScheme.FP8_BLOCK if kind == "fp8" else QuantScheme.NONE
-    cdtype = torch.float8_e4m3fn if kind == "fp8" else torch.bfloat16
-    hidden = torch.randn(M, K, device=dev).bfloat16()
-    weights, ids = torch.softmax(torch.randn(M, E, device=dev), dim=-1).topk(topk, dim=-1)
-    weights = (weights / weights.sum(-1, keepdim=True)).float()
-    row = dict(kind=kind, M=M, target_us=TARGET_US.get(M) if kind == "bf16" else None,
-               vllm_us=VLLM_US.get((kind, M)), floor_us=round(floor_us(M, ids, K, N, topk, kind), 1))  # fmt: skip
-    graph = M <= 128
-
-    def layer(configs=None, fused=False):
-        experts = TritonExperts(quant=quant, configs=configs, fuse_activation=fused)
-        mk = moekit.ModularKernel(NoEPPrepareFinalize(), experts, trace_counts=False)
-        return lambda: mk(hidden, wa, wb, weights, ids, **scales)
-
-    try:  # 1. correctness, separate and fused activation
-        for fused in (False, True):
-            if kind == "fp8":
-                ref = fp8_reference(hidden, q1, q2, weights, ids, s1, s2, round_bf16=not fused)
-            elif not fused:
-                ref = moe_reference(hidden, w1, w2, weights, ids)
-            out = layer(fused=fused)().float()
-            err = float((out - ref).abs().max() / ref.abs().max())
-            row[f"max_err_rel{'_fused' if fused else ''}"] = round(err, 5)
-        row["ok"] = max(row["max_err_rel"], row["max_err_rel_fused"]) < 2e-2
-    except Exception as e:  # keep going: later rows still tell something
-        row.update(ok=False, error=f"{type(e).__name__}: {e}"[:300])
-
-    def experts_alone():
-        experts = TritonExperts(quant=quant)
-        prepared = NoEPPrepareFinalize().prepare(hidden, weights, ids, quant=quant, placement=ExpertPlacement(E, E))
-        shapes = experts.workspace_shapes(ProblemSize(M, N, K, topk, E, E), act_dtype=prepared.a1q.dtype)
-        views = WorkspacePool(dev).take(shapes)
-        out = torch.empty(shapes.output, dtype=shapes.dtype, device=dev)
-        w = MoEWeights(wa, wb, scales.get("w1_scale"), scales.get("w2_scale"))
-        call = ExpertsCall(out, prepared.a1q, prepared.a1q_scale, ids, w, views.workspace13, views.workspace2, E)
-        return lambda: experts.apply(call)
-
-    try:  # 2. layer, experts alone and align with the table's configs
-        row["layer_us"] = round(bench_us(layer(), graph), 1)
-        row["layer_fused_us"] = round(bench_us(layer(fused=True), graph), 1)
-        row["experts_us"] = round(bench_us(experts_alone(), graph), 1)
-        c1 = get_config(M, N, K, E, topk, cdtype, stage=1)
-        c2 = get_config(M, K, N // 2, E, topk, cdtype, stage=2)
-        row["table"] = [c1.launch, c2.launch]
-        row["align_us"] = round(bench_us(lambda: moe_align_block_size(ids, c1.BLOCK_M, E, keep_empty=True), graph), 1)
-    except Exception as e:
-        row["error_time"] = f"{type(e).__name__}: {e}"[:300]
-    if time.time() - t0 > BUDGET_S:
-        row["sweep"] = "skipped (time budget)"
-        return row
-    try:  # 3. sweep each GEMM, then the layer with the best pair
-        sweep(row, kind, M, E, topk, K, N, hidden, ids, wa, wb, scales, graph)
-        best2 = KernelConfig(**row["best_gemm2"])
-        row["layer_best_us"] = round(bench_us(layer((KernelConfig(**row["best_gemm1"]), best2)), graph), 1)
-        best_gated = (KernelConfig(**row["best_gemm1_gated"]), best2)
-        row["layer_fused_best_us"] = round(bench_us(layer(best_gated, fused=True), graph), 1)
-    except Exception as e:
-        row["error_sweep"] = f"{type(e).__name__}: {e}"[:300]
-    return row
-
-
-def sweep(row, kind, M, E, topk, K, N, hidden, ids, wa, wb, scales, graph):
-    """Time GEMM1, gated GEMM1 and GEMM2 alone for each candidate; record the fastest of each."""
-    fp8, R, H, dev = kind == "fp8", M * topk, N // 2, hidden.device
-    if fp8:
-        a1, a1_s = q_act(hidden)
-        mid, mid_s = q_act(torch.randn(R, H, device=dev).bfloat16())
-        out_g = torch.empty(R, H, device=dev, dtype=torch.float8_e4m3fn)
-        gated = GatedOutput(out_scale=torch.empty(R, H // 128, device=dev))
-    else:
-        a1, a1_s, mid, mid_s = hidden, None, torch.randn(R, H, device=dev).bfloat16(), None
-        out_g, gated = torch.empty(R, H, device=dev, dtype=torch.bfloat16), GatedOutput()
-    cands, gated_cands = CANDIDATES[kind][bucket(M * topk / E)], GATED[kind][bucket(M * topk / E)]
-    stages = {  # name: (a, a_scale, w, w_scale, out, pairs_per_row, gated, candidates)
-        "gemm1": (a1, a1_s, wa, scales.get("w1_scale"), torch.empty(R, N, device=dev, dtype=torch.bfloat16),
-                  topk, None, cands),
-        "gemm1_gated": (a1, a1_s, wa, scales.get("w1_scale"), out_g, topk, gated, gated_cands),
-        "gemm2": (mid, mid_s, wb, scales.get("w2_scale"), torch.empty(R, K, device=dev, dtype=torch.bfloat16),
-                  1, None, cands),
-    }  # fmt: skip
-    for name, (a, a_s, w, w_s, out, ppr, g, tries) in stages.items():
-        results, ref = [], None
-        for cfg in tries:
-            blocks = moe_align_block_size(ids, cfg.BLOCK_M, E, keep_empty=True)
-            kw = dict(pairs_per_row=ppr, config=cfg, a_scale=a_s, w_scale=w_s, gated=g)
-            fn = lambda: fused_moe_gemm(a, w, out, blocks, **kw)  # noqa: B023
-            try:
-                fn()
-                got = out.float().clone()
-                ref = got if ref is None else ref
-                bad = float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6))
-                results.append((bench_us(fn, graph), cfg, bad))
-            except Exception as e:
-                results.append((float("inf"), cfg, f"{type(e).__name__}: {e}"[:200]))
-        row[f"sweep_{name}"] = [dict(cfg=c.launch, us=round(us, 1), diff=b if isinstance(b, str) else round(b, 4))
-                                for us, c, b in results]  # fmt: skip
-        ok = [(us, c) for us, c, b in results if not isinstance(b, str) and b < 5e-2]  # fp8 codes may flip
-        fastest = min(ok, key=lambda t: t[0]) if ok else (None, tries[0])
-        row[f"best_{name}"], row[f"best_{name}_us"] = fastest[1].launch, fastest[0] and round(fastest[0], 1)
-
-
-def _line(row) -> str:
-    f = lambda k: (f"{row[k]:.1f}" if isinstance(row.get(k), float) else str(row.get(k, "-")))
-    return (
-        f"{row['kind']:>4} M={row['M']:>6}  ok={row.get('ok')} err={row.get('max_err_rel', '-')}  "
-        f"layer {f('layer_us')} us (best tiles {f('layer_best_us')}; fused act {f('layer_fused_us')}, "
-        f"best {f('layer_fused_best_us')})  experts {f('experts_us')}  align {f('align_us')}  "
-        f"gemm1 {f('best_gemm1_us')} (gated {f('best_gemm1_gated_us')}) gemm2 {f('best_gemm2_us')}  "
-        f"floor {f('floor_us')}  "
-        f"target {row.get('target_us') or '-'}  vLLM {row.get('vllm_us') or '-'}"
-        + (f"  ERROR {row.get('error') or row.get('error_time') or row.get('error_sweep')}"
-           if any(k.startswith("error") for k in row) else "")  # fmt: skip
-    )
 
 
 if __name__ == "__main__":

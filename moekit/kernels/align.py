@@ -11,13 +11,19 @@ Pairs are sorted into buckets: bucket ``g`` for global expert g when it lives on
 one last bucket ``E`` for pairs whose expert lives elsewhere (its blocks get expert id -1: the
 GEMMs write zeros there). Empty slots are dropped, or kept in bucket E with ``keep_empty``.
 
-Three launches for large inputs, one for small ones (decode), never a host sync:
+Inputs of one tile (``numel <= TILE``, decode) take one launch of one program. Larger inputs
+take three launches, each spread over many programs, and never a host sync:
 
-1. ``_align_count_kernel``: one program per tile of 128 pairs; a histogram of the tile's buckets.
-2. ``_align_scan_kernel``: one program; prefix sums over tiles (where each tile writes inside
-   each bucket) and over buckets (where each padded bucket starts); block experts and padding.
-3. ``_align_scatter_kernel``: one program per tile; a pair goes to
-   ``start[bucket] + tile_offset[tile, bucket] + (earlier pairs of its bucket in the tile)``.
+1. ``_align_count_kernel``, one program per tile of ``TILE`` pairs: the tile's histogram,
+   stored bucket-major, ``counts[bucket, tile]``.
+2. ``_align_scan_kernel``, one program per bucket: an exclusive prefix sum along its row, in
+   place (where each tile starts writing inside the bucket), and the bucket's total.
+3. ``_align_scatter_kernel``, one program per tile: every program rebuilds the bucket starts
+   from the E + 1 totals (a short cumsum), then places its pairs at ``start[bucket] +
+   offset[bucket, tile] + (earlier pairs of the bucket in the tile)``. A pair that lands on the
+   first row of a block writes that block's expert id (every block starts with a pair: padding
+   only ends a bucket). Program t also writes the padding of buckets t, t + num_tiles, ... and
+   its share of everything past the last block.
 
 That order is stable: within a bucket, pairs keep their flat order. So the result is
 deterministic, and equal to a stable sort by bucket.
@@ -35,8 +41,11 @@ from moekit.device import interpreting
 from moekit.errors import InvalidInputError
 from moekit.validate import check_expert_map, check_ids
 
-TILE = 128  # pairs per program of the count and scatter kernels
+TILE = 128  # pairs per program of the count and scatter kernels; the one-program path's limit
+_FILL = 1024  # entries per store when filling past the last block
 _MAX_NUMEL = 2**31 - 2**20  # int32 positions, with room for the padding
+# Sizes change with every M: specializing on them (== 1, % 16) would only add compiles.
+_SIZES = ["numel", "num_tiles", "max_padded", "max_blocks"]
 
 
 @dataclass
@@ -45,7 +54,8 @@ class AlignedBlocks:
 
     Only the first ``num_tokens_post_padded`` entries of ``sorted_token_ids`` and the first
     ``num_tokens_post_padded / block_m`` of ``expert_ids`` are used; the rest hold ``numel`` and
-    -1. Sizes come from an upper bound, so nothing here needed a host sync.
+    -1. Sizes come from an upper bound, so nothing here needed a host sync. The three tensors
+    are views of one allocation.
     """
 
     sorted_token_ids: torch.Tensor
@@ -68,122 +78,141 @@ def max_padded_size(numel: int, num_buckets: int, block_m: int) -> int:
 
 @triton.jit
 def _bucket_of(ids_ptr, map_ptr, idx, numel, E, num_local, HAS_MAP: tl.constexpr, KEEP_EMPTY: tl.constexpr, DROP):
-    """Bucket of each pair: its global expert if local, E if remote (or empty and kept), else DROP."""
+    """(bucket, local expert) of each pair: bucket g with g's local id for a local expert; E with
+    -1 for a remote one (or a kept empty slot); DROP for a dropped one."""
     live = idx < numel
     g = tl.load(ids_ptr + idx, mask=live, other=-1)
     # Compare in the ids' own dtype: an int64 id cast to int32 first could wrap into range.
     valid = live & (g >= 0) & (g < E)
-    local = valid
     if HAS_MAP:
-        e = tl.load(map_ptr + tl.where(valid, g, 0), mask=valid, other=-1)
+        e = tl.load(map_ptr + tl.where(valid, g, 0), mask=valid, other=-1).to(tl.int32)
         local = valid & (e >= 0) & (e < num_local)
     else:
+        e = g.to(tl.int32)
         local = valid & (g < num_local)
     bucket = tl.where(local, g, E).to(tl.int32)
     if KEEP_EMPTY:
-        return tl.where(live, bucket, DROP)
-    return tl.where(valid, bucket, DROP)
+        bucket = tl.where(live, bucket, DROP)
+    else:
+        bucket = tl.where(valid, bucket, DROP)
+    return bucket, tl.where(local, e, -1)
 
 
 @triton.jit
+def _rank_in_tile(bucket, TILE: tl.constexpr):
+    """Earlier pairs of the same bucket in the tile (what keeps the order stable)."""
+    offs = tl.arange(0, TILE)
+    same = (bucket[None, :] == bucket[:, None]) & (offs[None, :] < offs[:, None])
+    return tl.sum(same.to(tl.int32), axis=1)
+
+
+@triton.jit
+def _place(sorted_ptr, expert_ids_ptr, idx, row, pos, expert, keep, BLOCK_M: tl.constexpr):
+    """Pair idx goes to ``row``, the ``pos``-th row of its bucket. Padding only ends a bucket, so
+    every block starts with a pair: the pair on a block's first row writes the block's expert."""
+    tl.store(sorted_ptr + row, idx, mask=keep)
+    tl.store(expert_ids_ptr + row // BLOCK_M, expert, mask=keep & (pos % BLOCK_M == 0))
+
+
+@triton.jit
+def _pad(sorted_ptr, first, count, numel, PAD_W: tl.constexpr):
+    """``sorted[first[i] + k] = numel`` for ``k < count[i]`` (count < BLOCK_M <= PAD_W)."""
+    k = tl.arange(0, PAD_W)
+    pos = first[:, None] + k[None, :]
+    tl.store(sorted_ptr + pos, numel + tl.zeros_like(pos), mask=k[None, :] < count[:, None])
+
+
+@triton.jit
+def _fill_tail(sorted_ptr, expert_ids_ptr, post, numel, max_padded, max_blocks, pid, nprog,
+               BLOCK_M: tl.constexpr, FILL: tl.constexpr):  # fmt: skip
+    """Past the last block: sorted ids hold numel and expert ids -1. Program ``pid`` of ``nprog``
+    takes every nprog-th chunk of FILL entries."""
+    offs = tl.arange(0, FILL)
+    for p0 in range(post + pid * FILL, max_padded, nprog * FILL):
+        p = p0 + offs
+        tl.store(sorted_ptr + p, numel + tl.zeros_like(p), mask=p < max_padded)
+    for j0 in range(post // BLOCK_M + pid * FILL, max_blocks, nprog * FILL):
+        j = j0 + offs
+        tl.store(expert_ids_ptr + j, tl.full([FILL], -1, tl.int32), mask=j < max_blocks)
+
+
+@triton.jit(do_not_specialize=_SIZES)
 def _align_count_kernel(
     # Pointers
     ids_ptr, map_ptr, counts_ptr,
     # Sizes
-    numel, E, num_local,
+    numel, E, num_local, num_tiles,
     # Meta-parameters
     HAS_MAP: tl.constexpr, KEEP_EMPTY: tl.constexpr, NUM_BINS: tl.constexpr, TILE: tl.constexpr,
 ):
     t = tl.program_id(0)
     idx = t * TILE + tl.arange(0, TILE)
-    bucket = _bucket_of(ids_ptr, map_ptr, idx, numel, E, num_local, HAS_MAP, KEEP_EMPTY, NUM_BINS - 1)
+    bucket, _ = _bucket_of(ids_ptr, map_ptr, idx, numel, E, num_local, HAS_MAP, KEEP_EMPTY, NUM_BINS - 1)
     # Dropped pairs land in the last bin, which is never a real bucket (NUM_BINS > E + 1).
     hist = tl.histogram(bucket, NUM_BINS)
-    tl.store(counts_ptr + t * NUM_BINS + tl.arange(0, NUM_BINS), hist)
-
-
-@triton.jit
-def _finish(
-    starts, totals, padded, map_ptr, sorted_ptr, expert_ids_ptr, post_ptr,
-    numel, E, max_padded, max_blocks,
-    BLOCK_M: tl.constexpr, NUM_BINS: tl.constexpr, HAS_MAP: tl.constexpr,
-):
-    """Given each bucket's start, pair count and padded size: write the block experts, the
-    padding entries of ``sorted_token_ids``, and ``num_tokens_post_padded``."""
     bins = tl.arange(0, NUM_BINS)
-    total = tl.sum(padded, axis=0)
-    tl.store(post_ptr, total)
-    ends = starts + padded
-    # Block j belongs to the bucket whose [start, end) holds row j * BLOCK_M: the number of
-    # buckets ending at or before that row (empty buckets end where the next one starts).
-    for j0 in range(0, max_blocks, 64):
-        j = j0 + tl.arange(0, 64)
-        row = j * BLOCK_M
-        b = tl.sum(((ends[None, :] <= row[:, None]) & (bins[None, :] < E + 1)).to(tl.int32), axis=1)
-        e = tl.where(b < E, b, -1)
-        if HAS_MAP:
-            e = tl.load(map_ptr + tl.where(b < E, b, 0), mask=b < E, other=-1).to(tl.int32)
-        tl.store(expert_ids_ptr + j, e, mask=j < max_blocks)
-    # Padding inside each bucket: rows [start + count, start + padded) hold the pad value.
-    for k0 in range(0, BLOCK_M, 16):
-        k = k0 + tl.arange(0, 16)
-        pos = (starts + totals)[:, None] + k[None, :]
-        tl.store(sorted_ptr + pos, numel + tl.zeros_like(pos), mask=k[None, :] < (padded - totals)[:, None])
-    # Everything past the last block.
-    for p0 in range(total, max_padded, 1024):
-        p = p0 + tl.arange(0, 1024)
-        tl.store(sorted_ptr + p, numel + tl.zeros_like(p), mask=p < max_padded)
+    # Bucket-major: the scan reads one contiguous row per bucket.
+    tl.store(counts_ptr + bins * num_tiles + t, hist, mask=bins <= E)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SIZES)
 def _align_scan_kernel(
     # Pointers
-    counts_ptr, offsets_ptr, starts_ptr, map_ptr, sorted_ptr, expert_ids_ptr, post_ptr,
+    counts_ptr, totals_ptr,
     # Sizes
-    num_tiles, numel, E, max_padded, max_blocks,
+    num_tiles,
     # Meta-parameters
-    BLOCK_M: tl.constexpr, NUM_BINS: tl.constexpr, HAS_MAP: tl.constexpr, TILES_PER_STEP: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
-    bins = tl.arange(0, NUM_BINS)
-    carry = tl.zeros([NUM_BINS], dtype=tl.int32)
-    for t0 in range(0, num_tiles, TILES_PER_STEP):
-        t = t0 + tl.arange(0, TILES_PER_STEP)
-        ptrs = t[:, None] * NUM_BINS + bins[None, :]
-        c = tl.load(counts_ptr + ptrs, mask=t[:, None] < num_tiles, other=0)
-        # Exclusive prefix over tiles: where tile t starts writing inside each bucket.
-        tl.store(offsets_ptr + ptrs, tl.cumsum(c, axis=0) - c + carry[None, :], mask=t[:, None] < num_tiles)
+    b = tl.program_id(0)
+    row = counts_ptr + b * num_tiles
+    carry = tl.sum(tl.zeros([BLOCK], dtype=tl.int32), axis=0)
+    for t0 in range(0, num_tiles, BLOCK):
+        t = t0 + tl.arange(0, BLOCK)
+        c = tl.load(row + t, mask=t < num_tiles, other=0)
+        # Exclusive prefix over tiles: where tile t starts writing inside bucket b.
+        tl.store(row + t, tl.cumsum(c, axis=0) - c + carry, mask=t < num_tiles)
         carry += tl.sum(c, axis=0)
-    totals = tl.where(bins < E + 1, carry, 0)
-    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    starts = tl.cumsum(padded, axis=0) - padded
-    tl.store(starts_ptr + bins, starts)
-    _finish(starts, totals, padded, map_ptr, sorted_ptr, expert_ids_ptr, post_ptr,
-            numel, E, max_padded, max_blocks, BLOCK_M, NUM_BINS, HAS_MAP)
+    tl.store(totals_ptr + b, carry)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SIZES)
 def _align_scatter_kernel(
     # Pointers
-    ids_ptr, map_ptr, offsets_ptr, starts_ptr, sorted_ptr,
+    ids_ptr, map_ptr, offsets_ptr, totals_ptr, sorted_ptr, expert_ids_ptr, post_ptr,
     # Sizes
-    numel, E, num_local,
+    numel, E, num_local, num_tiles, max_padded, max_blocks,
     # Meta-parameters
-    HAS_MAP: tl.constexpr, KEEP_EMPTY: tl.constexpr, NUM_BINS: tl.constexpr, TILE: tl.constexpr,
+    BLOCK_M: tl.constexpr, HAS_MAP: tl.constexpr, KEEP_EMPTY: tl.constexpr, NUM_BINS: tl.constexpr,
+    TILE: tl.constexpr, OWNED: tl.constexpr, PAD_W: tl.constexpr, FILL: tl.constexpr,
 ):
     t = tl.program_id(0)
-    offs = tl.arange(0, TILE)
-    idx = t * TILE + offs
-    bucket = _bucket_of(ids_ptr, map_ptr, idx, numel, E, num_local, HAS_MAP, KEEP_EMPTY, NUM_BINS - 1)
-    keep = bucket < NUM_BINS - 1
-    # Rank inside the tile: earlier pairs of the same bucket (this is what keeps the order stable).
-    same = (bucket[None, :] == bucket[:, None]) & (offs[None, :] < offs[:, None])
-    rank = tl.sum(same.to(tl.int32), axis=1)
+    nprog = tl.num_programs(0)
+    bins = tl.arange(0, NUM_BINS)
+    totals = tl.load(totals_ptr + bins, mask=bins <= E, other=0)
+    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    starts = tl.cumsum(padded, axis=0) - padded
+    post = tl.sum(padded, axis=0)
+
+    idx = t * TILE + tl.arange(0, TILE)
+    bucket, expert = _bucket_of(ids_ptr, map_ptr, idx, numel, E, num_local, HAS_MAP, KEEP_EMPTY, NUM_BINS - 1)
+    keep = bucket <= E
     b = tl.where(keep, bucket, 0)
-    base = tl.load(starts_ptr + b, mask=keep, other=0) + tl.load(offsets_ptr + t * NUM_BINS + b, mask=keep, other=0)
-    tl.store(sorted_ptr + base + rank, idx, mask=keep)
+    pos = tl.load(offsets_ptr + b * num_tiles + t, mask=keep, other=0) + _rank_in_tile(bucket, TILE)
+    _place(sorted_ptr, expert_ids_ptr, idx, tl.gather(starts, b, 0) + pos, pos, expert, keep, BLOCK_M)
+
+    # This program's buckets (t, t + nprog, ...): rows [start + total, start + padded) are padding.
+    owned = t + nprog * tl.arange(0, OWNED)
+    ob = tl.minimum(owned, E)
+    ob_total = tl.gather(totals, ob, 0)
+    n_pad = tl.where(owned <= E, tl.gather(padded, ob, 0) - ob_total, 0)
+    _pad(sorted_ptr, tl.gather(starts, ob, 0) + ob_total, n_pad, numel, PAD_W)
+    if t == 0:
+        tl.store(post_ptr, post)
+    _fill_tail(sorted_ptr, expert_ids_ptr, post, numel, max_padded, max_blocks, t, nprog, BLOCK_M, FILL)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SIZES)
 def _align_small_kernel(
     # Pointers
     ids_ptr, map_ptr, sorted_ptr, expert_ids_ptr, post_ptr,
@@ -191,23 +220,28 @@ def _align_small_kernel(
     numel, E, num_local, max_padded, max_blocks,
     # Meta-parameters
     BLOCK_M: tl.constexpr, HAS_MAP: tl.constexpr, KEEP_EMPTY: tl.constexpr, NUM_BINS: tl.constexpr,
-    TILE: tl.constexpr,
+    TILE: tl.constexpr, PAD_W: tl.constexpr, FILL: tl.constexpr,
 ):
     # All three steps in one program, for inputs of one tile (decode): one launch instead of three.
     offs = tl.arange(0, TILE)
     bins = tl.arange(0, NUM_BINS)
-    bucket = _bucket_of(ids_ptr, map_ptr, offs, numel, E, num_local, HAS_MAP, KEEP_EMPTY, NUM_BINS - 1)
-    keep = bucket < NUM_BINS - 1
-    onehot = (bucket[:, None] == bins[None, :]) & (bins[None, :] < E + 1)
-    totals = tl.sum(onehot.to(tl.int32), axis=0)
+    bucket, expert = _bucket_of(ids_ptr, map_ptr, offs, numel, E, num_local, HAS_MAP, KEEP_EMPTY, NUM_BINS - 1)
+    keep = bucket <= E
+    # A one-hot sum, not tl.histogram: a tile this small is spread thinner than one element per thread.
+    totals = tl.sum(((bucket[:, None] == bins[None, :]) & (bins[None, :] <= E)).to(tl.int32), axis=0)
     padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     starts = tl.cumsum(padded, axis=0) - padded
-    same = (bucket[None, :] == bucket[:, None]) & (offs[None, :] < offs[:, None])
-    rank = tl.sum(same.to(tl.int32), axis=1)
-    base = tl.sum(tl.where(onehot, starts[None, :], 0), axis=1)
-    tl.store(sorted_ptr + base + rank, offs, mask=keep)
-    _finish(starts, totals, padded, map_ptr, sorted_ptr, expert_ids_ptr, post_ptr,
-            numel, E, max_padded, max_blocks, BLOCK_M, NUM_BINS, HAS_MAP)
+    post = tl.sum(padded, axis=0)
+    b = tl.where(keep, bucket, 0)
+    pos = _rank_in_tile(bucket, TILE)
+    row = tl.gather(starts, b, 0) + pos
+    _place(sorted_ptr, expert_ids_ptr, offs, row, pos, expert, keep, BLOCK_M)
+    # The last pair of each bucket writes the bucket's padding right after itself.
+    total = tl.gather(totals, b, 0)
+    n_pad = tl.where(keep & (pos == total - 1), tl.gather(padded, b, 0) - total, 0)
+    _pad(sorted_ptr, row + 1, n_pad, numel, PAD_W)
+    tl.store(post_ptr, post)
+    _fill_tail(sorted_ptr, expert_ids_ptr, post, numel, max_padded, max_blocks, 0, 1, BLOCK_M, FILL)
 
 
 def _check(topk_ids, block_m, num_experts, expert_map, num_local_experts) -> None:
@@ -293,36 +327,40 @@ def moe_align_block_size(
     num_local = num_local_experts if num_local_experts is not None else E
     max_padded = max_padded_size(numel, E + 1, block_m)
     max_blocks = max_padded // block_m
-    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
-    expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=device)
-    post = torch.zeros(1, dtype=torch.int32, device=device)
+    small = numel <= TILE
+    num_tiles = 0 if small else triton.cdiv(numel, TILE)
+    # One allocation: outputs, then (three-launch path) counts [E + 1, num_tiles] and totals
+    # [E + 1]. Each piece starts on a 128-byte boundary.
+    sizes = (max_padded, max_blocks, 1, 0 if small else (E + 1) * num_tiles, 0 if small else E + 1)
+    begin = [0]
+    for n in sizes:
+        begin.append(begin[-1] + triton.cdiv(n, 32) * 32)
+    buffer = torch.empty(begin[-1], dtype=torch.int32, device=device)
+    views = (buffer[b : b + n] for b, n in zip(begin[:-1], sizes, strict=True))
+    sorted_ids, expert_ids, post, counts, totals = views
     out = AlignedBlocks(sorted_ids, expert_ids, post, block_m, numel)
     if numel == 0:
+        post.zero_()
         return out
     # One spare bin for dropped pairs; tl.histogram wants at least 32 bins.
     NUM_BINS = max(32, triton.next_power_of_2(E + 2))
     flags = dict(HAS_MAP=expert_map is not None, KEEP_EMPTY=keep_empty, NUM_BINS=NUM_BINS)
     ids = topk_ids.reshape(-1)
-    if numel <= TILE:
+    dims = (numel, E, num_local)
+    pad_w = max(16, block_m)
+    if small:
         _align_small_kernel[(1,)](
-            ids, expert_map, sorted_ids, expert_ids, post, numel, E, num_local, max_padded, max_blocks,
-            BLOCK_M=block_m, TILE=max(16, triton.next_power_of_2(numel)), **flags,
+            ids, expert_map, sorted_ids, expert_ids, post, *dims, max_padded, max_blocks,
+            BLOCK_M=block_m, TILE=max(16, triton.next_power_of_2(numel)), PAD_W=pad_w, FILL=_FILL, **flags,
             num_warps=4 if NUM_BINS <= 256 else 8,
         )  # fmt: skip
         return out
-    num_tiles = triton.cdiv(numel, TILE)
-    scratch = torch.empty(2 * num_tiles * NUM_BINS + NUM_BINS, dtype=torch.int32, device=device)
-    counts = scratch[: num_tiles * NUM_BINS]
-    offsets = scratch[num_tiles * NUM_BINS : 2 * num_tiles * NUM_BINS]
-    starts = scratch[2 * num_tiles * NUM_BINS :]
-    _align_count_kernel[(num_tiles,)](ids, expert_map, counts, numel, E, num_local, TILE=TILE, **flags)
-    _align_scan_kernel[(1,)](
-        counts, offsets, starts, expert_map, sorted_ids, expert_ids, post,
-        num_tiles, numel, E, max_padded, max_blocks,
-        BLOCK_M=block_m, NUM_BINS=NUM_BINS, HAS_MAP=expert_map is not None,
-        TILES_PER_STEP=max(1, 8192 // NUM_BINS), num_warps=8,
-    )  # fmt: skip
+    _align_count_kernel[(num_tiles,)](ids, expert_map, counts, *dims, num_tiles, TILE=TILE, **flags)
+    scan_block = min(1024, max(16, triton.next_power_of_2(num_tiles)))
+    _align_scan_kernel[(E + 1,)](counts, totals, num_tiles, BLOCK=scan_block, num_warps=4)
+    owned = triton.next_power_of_2(triton.cdiv(E + 1, num_tiles))
     _align_scatter_kernel[(num_tiles,)](
-        ids, expert_map, offsets, starts, sorted_ids, numel, E, num_local, TILE=TILE, **flags
-    )
+        ids, expert_map, counts, totals, sorted_ids, expert_ids, post, *dims, num_tiles, max_padded, max_blocks,
+        BLOCK_M=block_m, TILE=TILE, OWNED=owned, PAD_W=pad_w, FILL=_FILL, **flags,
+    )  # fmt: skip
     return out

@@ -29,6 +29,9 @@ class KernelConfig:
     ``BLOCK_M`` rows of (token, slot) pairs by ``BLOCK_N`` output columns per program, stepping
     ``BLOCK_K`` along the reduction. ``GROUP_M`` row blocks share one sweep over the columns (so
     an expert's weight tiles are reused from L2). All tile sizes are powers of two >= 16.
+    ``tma``: load the weight tiles with the tensor-memory accelerator (a host-side descriptor)
+    instead of per-thread copies, where the weights allow it (contiguous, 16-byte rows); the
+    gathered activation rows always use per-thread copies.
     """
 
     BLOCK_M: int
@@ -37,20 +40,23 @@ class KernelConfig:
     GROUP_M: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    tma: bool = False
 
     def __post_init__(self):
-        for name, value in asdict(self).items():
+        for name, value in self.launch.items():
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise InvalidInputError(f"KernelConfig.{name} must be a positive int, got {value!r}")
         for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise InvalidInputError(f"KernelConfig.{name} must be a power of two >= 16, got {value}")
+        if not isinstance(self.tma, bool):
+            raise InvalidInputError(f"KernelConfig.tma must be a bool, got {self.tma!r}")
 
     @property
     def launch(self) -> dict:
-        """Keyword arguments for a kernel launch."""
-        return asdict(self)
+        """Keyword arguments for a kernel launch (the tile shape, warps and stages)."""
+        return {k: v for k, v in asdict(self).items() if k != "tma"}
 
 
 # Few, large programs: the interpreter's cost is per program and per k-step, not per element

@@ -13,7 +13,9 @@ One program computes a ``BLOCK_M x BLOCK_N`` tile: the rows of one block (all th
 times a column slice of that expert's matrix. Rows are gathered through ``sorted_token_ids``,
 so nothing is permuted in memory. A block of a remote expert (expert id -1) writes zeros.
 GEMM1 can also finish with silu_and_mul (and the fp8 requantization) in its epilogue
-(:class:`GatedOutput`), so the ``[numel, N]`` product never goes to memory.
+(:class:`GatedOutput`), so the ``[numel, N]`` product never goes to memory. With
+``KernelConfig.tma`` the weight tiles come through a TMA descriptor (fewer registers and
+address instructions); the gathered activation rows always use per-thread async copies.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moekit.device import interpreting
 from moekit.errors import InvalidInputError, QuantizationError
@@ -59,11 +62,11 @@ def _load(ptrs, mask, EVEN_K: tl.constexpr):
         return tl.load(ptrs, mask=mask, other=0.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["numel", "num_blocks"])  # they change with M: no recompiles
 def _fused_moe_kernel(
     # Pointers
     a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, sorted_ptr, expert_ids_ptr, post_ptr,
-    out_scale_ptr, static_ptr,
+    out_scale_ptr, static_ptr, w_desc,
     # Sizes
     N, K, numel, pairs_per_row, num_blocks,
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
@@ -73,7 +76,7 @@ def _fused_moe_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, IS_FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr,
     GATED: tl.constexpr, QUANT_OUT: tl.constexpr, STATIC_OUT: tl.constexpr,
-    UPCAST_BF16: tl.constexpr, DOT_IEEE: tl.constexpr, FIX_ROUNDING: tl.constexpr,
+    W_TMA: tl.constexpr, UPCAST_BF16: tl.constexpr, DOT_IEEE: tl.constexpr, FIX_ROUNDING: tl.constexpr,
 ):
     # N is the output width: with GATED, w has 2N rows (gate rows [0, N), up rows [N, 2N)).
     # GROUP_M row blocks sweep the columns together: neighbouring blocks are usually the same
@@ -115,6 +118,9 @@ def _fused_moe_kernel(
         a_scale_ptrs = a_scale_ptr + row * stride_asm
         w_scale_ptrs = w_scale_ptr + expert * stride_wse + (col // SCALE_BLOCK) * stride_wsn
         w_up_scale_ptrs = w_scale_ptr + expert * stride_wse + ((col + N) // SCALE_BLOCK) * stride_wsn
+    # TMA: w viewed as [E * rows, K]; rows past this expert's (last column tile) belong to the
+    # next expert or are zero-filled past the end, and those columns are never stored.
+    w_row = (expert * (2 * N if GATED else N) + pid_n * BLOCK_N).to(tl.int32)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if GATED:
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -130,13 +136,20 @@ def _fused_moe_kernel(
         else:
             a_s = 1.0
             w_s = 1.0
-        acc = _mma(acc, a, _load(w_ptrs, w_mask, EVEN_K), a_s, w_s, IS_FP8, UPCAST_BF16, DOT_IEEE)
+        if W_TMA:
+            b = w_desc.load([w_row, k * BLOCK_K]).T
+        else:
+            b = _load(w_ptrs, w_mask, EVEN_K)
+        acc = _mma(acc, a, b, a_s, w_s, IS_FP8, UPCAST_BF16, DOT_IEEE)
         if GATED:  # the up half: the same rows of a times w rows [N, 2N)
             if IS_FP8:
                 w_up_s = tl.load(w_up_scale_ptrs + group * stride_wsk)
             else:
                 w_up_s = 1.0
-            b_up = _load(w_ptrs + N * stride_wn, w_mask, EVEN_K)
+            if W_TMA:
+                b_up = w_desc.load([w_row + N, k * BLOCK_K]).T
+            else:
+                b_up = _load(w_ptrs + N * stride_wn, w_mask, EVEN_K)
             acc_up = _mma(acc_up, a, b_up, a_s, w_up_s, IS_FP8, UPCAST_BF16, DOT_IEEE)
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += BLOCK_K * stride_wk
@@ -153,6 +166,15 @@ def _fused_moe_kernel(
     if FIX_ROUNDING:
         acc = round_for_store(acc, out_ptr.dtype.element_ty)
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+def _weight_descriptor(w: torch.Tensor, config: KernelConfig) -> TensorDescriptor | None:
+    """A TMA descriptor of ``w`` as ``[E * N, K]`` with ``[BLOCK_N, BLOCK_K]`` boxes, or None
+    where TMA cannot read it (not contiguous, rows not a multiple of 16 bytes, unaligned base)."""
+    E, N, K = w.shape
+    if not w.is_contiguous() or (K * w.element_size()) % 16 or w.data_ptr() % 16 or w.numel() == 0:
+        return None
+    return TensorDescriptor(w.view(E * N, K), [E * N, K], [K, 1], [config.BLOCK_N, config.BLOCK_K])
 
 
 @dataclass
@@ -288,14 +310,16 @@ def fused_moe_gemm(
         0 if static is None or static.numel() == 1 else static.stride(0),
         gated.static_div if static is not None else 1,
     )  # fmt: skip
+    w_desc = _weight_descriptor(w, config) if config.tma else None
     grid = (num_blocks * triton.cdiv(width, config.BLOCK_N),)
     _fused_moe_kernel[grid](
         a, w, out, scales[0], scales[1],
         blocks.sorted_token_ids, blocks.expert_ids, blocks.num_tokens_post_padded, *epilogue[:2],
+        w if w_desc is None else w_desc,
         width, K, blocks.numel, pairs_per_row, num_blocks,
         a.stride(0), a.stride(1), *w.stride(), out.stride(0), out.stride(1), *scales[2:], *epilogue[2:],
         EVEN_K=K % config.BLOCK_K == 0, IS_FP8=fp8, SCALE_BLOCK=SCALE_BLOCK,
-        GATED=gated is not None, QUANT_OUT=quant_out, STATIC_OUT=static is not None,
+        GATED=gated is not None, QUANT_OUT=quant_out, STATIC_OUT=static is not None, W_TMA=w_desc is not None,
         UPCAST_BF16=interpreting() and a.dtype == torch.bfloat16,
         DOT_IEEE=a.dtype == torch.float32, FIX_ROUNDING=interpreting(),
         **config.launch,

@@ -33,8 +33,33 @@ def align_spec(topk_ids, block_m, E, expert_map=None, *, num_local=None, keep_em
     return sorted_ids, experts, len(sorted_ids)
 
 
-def check_against_spec(out, topk_ids, block_m, E, expert_map=None, **kw):
-    want_sorted, want_experts, post = align_spec(topk_ids, block_m, E, expert_map, **kw)
+def align_spec_torch(topk_ids, block_m, E, expert_map=None, *, num_local=None, keep_empty=False):
+    """The same spec, vectorized (a stable sort), for sizes where Python lists are too slow."""
+    num_local = E if num_local is None else num_local
+    flat = topk_ids.reshape(-1).long()
+    valid = (flat >= 0) & (flat < E)
+    local = flat if expert_map is None else expert_map.long()[flat.clamp(0, E - 1)]
+    bucket = torch.where(valid & (local >= 0) & (local < num_local), flat, E)
+    idx = torch.arange(flat.numel(), device=flat.device)
+    if not keep_empty:
+        bucket, idx = bucket[valid], idx[valid]
+    bucket, order = torch.sort(bucket, stable=True)
+    counts = torch.bincount(bucket, minlength=E + 1)
+    padded = (counts + block_m - 1) // block_m * block_m
+    starts = torch.cumsum(padded, 0) - padded
+    first = torch.cumsum(counts, 0) - counts  # of each bucket in the sorted pairs
+    rows = starts[bucket] + torch.arange(bucket.numel(), device=flat.device) - first[bucket]
+    sorted_ids = torch.full((int(padded.sum()),), flat.numel(), dtype=torch.long, device=flat.device)
+    sorted_ids[rows] = idx[order]
+    locals_ = torch.arange(E + 1, device=flat.device) if expert_map is None else torch.cat(
+        [expert_map.long(), torch.tensor([-1], device=flat.device)])  # fmt: skip
+    locals_[E] = -1
+    experts = torch.repeat_interleave(locals_, padded // block_m)
+    return sorted_ids.tolist(), experts.tolist(), int(padded.sum())
+
+
+def check_against_spec(out, topk_ids, block_m, E, expert_map=None, *, spec=None, **kw):
+    want_sorted, want_experts, post = (spec or align_spec)(topk_ids, block_m, E, expert_map, **kw)
     numel = topk_ids.numel()
     assert out.num_tokens_post_padded.tolist() == [post]
     assert out.sorted_token_ids.dtype == torch.int32 and out.expert_ids.dtype == torch.int32
@@ -107,6 +132,39 @@ def test_stable_order_across_many_tiles(device):
     check_against_spec(out, topk_ids, 16, 2)
     runs = [out.sorted_token_ids.clone() for _ in range(3)]
     assert all(torch.equal(runs[0], r) for r in runs)
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_torch_spec_agrees_with_list_spec(device, block_m):
+    E = 12
+    topk_ids = torch.randint(-1, E + 1, (150, 3), device=device)
+    emap = torch.randperm(E, device=device) % 5 - 1  # some remote experts
+    for kw in (dict(), dict(expert_map=emap, num_local=4, keep_empty=True)):
+        m = kw.pop("expert_map", None)
+        assert align_spec_torch(topk_ids, block_m, E, m, **kw) == align_spec(topk_ids, block_m, E, m, **kw)
+
+
+def test_many_tiles_fewer_than_buckets(device):
+    # 3 tiles own 17 buckets' padding between them (each program pads buckets t, t + 3, ...).
+    E = 16
+    topk_ids = torch.randint(-1, E, (2 * TILE + 9, 1), device=device, dtype=torch.int32)
+    emap = torch.randperm(E, device=device, dtype=torch.int32) % 11 - 1
+    out = moe_align_block_size(topk_ids, 8, E, emap, num_local_experts=10, keep_empty=True)
+    check_against_spec(out, topk_ids, 8, E, emap, num_local=10, keep_empty=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M, block_m", [(1, 16), (16, 16), (128, 16), (4096, 64), (16384, 128), (20000, 128)])
+@pytest.mark.parametrize("mapped", [False, True])
+def test_realistic_sizes_on_gpu(device, M, block_m, mapped):
+    E, topk = 128, 8
+    topk_ids = torch.rand(M, E, device=device).topk(topk, dim=1).indices
+    topk_ids[::5, -1] = -1  # some empty slots
+    emap = (torch.arange(E, device=device, dtype=torch.int32) - 32) if mapped else None  # 32 remote experts
+    kw = dict(num_local=96, keep_empty=True) if mapped else {}
+    out = moe_align_block_size(topk_ids, block_m, E, emap, num_local_experts=kw.get("num_local"),
+                               keep_empty=mapped)  # fmt: skip
+    check_against_spec(out, topk_ids, block_m, E, emap, spec=align_spec_torch, **kw)
 
 
 def test_empty_input(device):

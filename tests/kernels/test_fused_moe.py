@@ -138,6 +138,42 @@ def test_gated_fp8_requantization(device, static):
         fused_moe_gemm(aq, wq, q, blocks, pairs_per_row=topk, config=CFG, a_scale=a_s, w_scale=w_s, gated=gated)
 
 
+@pytest.mark.parametrize("kind", ["bf16", "fp32_gated", "fp8_gated", "fp8"])
+def test_tma_weights_match_pointer_loads(device, kind):
+    # Weight tiles through a TMA descriptor: the last column tile reads past the expert (into the
+    # next one, or zero-filled past the end), and none of those columns may reach the output.
+    M, K, E, topk = 9, 256, 3, 2
+    N = 256 if kind.startswith("fp8") else 160  # N/2 = 80: a partial column tile
+    ids = torch.randint(-1, E, (M, topk), device=device)
+    a = torch.randn(M, K, device=device)
+    w = torch.randn(E, N, K, device=device) / K**0.5
+    kw, dtype, width = {}, torch.float32, N // 2 if "gated" in kind else N
+    if kind == "bf16":
+        a, w, dtype = a.bfloat16(), w.bfloat16(), torch.bfloat16
+    elif kind.startswith("fp8"):
+        (a, a_s), (w, w_s) = quantize_fp8_per_token_group(a), quantize_fp8_block(w)
+        kw, dtype = dict(a_scale=a_s, w_scale=w_s), torch.bfloat16
+    results = []
+    for tma in (False, True):
+        cfg = KernelConfig(BLOCK_M=16, BLOCK_N=128 if kind.startswith("fp8") else 64, BLOCK_K=128, tma=tma)
+        blocks = moe_align_block_size(ids, 16, E, keep_empty=True)
+        if kind == "fp8_gated":
+            out = torch.empty(M * topk, width, device=device, dtype=FP8)
+            kw["gated"] = GatedOutput(out_scale=torch.empty(M * topk, width // 128, device=device))
+        else:
+            out = torch.empty(M * topk, width, device=device, dtype=dtype)
+            kw["gated"] = GatedOutput() if "gated" in kind else None
+        fused_moe_gemm(a, w, out, blocks, pairs_per_row=topk, config=cfg, **kw)
+        back = out.float()
+        if kind == "fp8_gated":
+            back = back * kw["gated"].out_scale.repeat_interleave(128, dim=1)
+        results.append(back)
+    if kind == "fp8_gated":  # an fp32 rounding difference may flip an fp8 code
+        assert_close(results[1], results[0], dtype=FP8)
+    else:  # the same products; only the dot's summation order may differ
+        assert (results[1] - results[0]).abs().max() <= 1e-6 * results[0].abs().max()
+
+
 def test_errors(device):
     ids = torch.zeros(4, 2, dtype=torch.int32, device=device)
     blocks = moe_align_block_size(ids, 16, 2)
@@ -181,11 +217,14 @@ def test_config_table_is_valid():
     assert table_config(8, torch.float16) == table_config(8, torch.bfloat16)
     assert table_config(1024, torch.bfloat16, gated=True).BLOCK_N == 128  # two accumulators: half width
     assert table_config(1024, torch.float32, gated=True) == table_config(1024, torch.float32)  # no entry
+    assert KernelConfig(16, 64, 64, tma=True).launch == KernelConfig(16, 64, 64).launch  # not a kernel argument
 
 
 def test_config_errors():
     with expect_raises(InvalidInputError, match="power of two"):
         KernelConfig(BLOCK_M=24, BLOCK_N=64, BLOCK_K=64)
+    with expect_raises(InvalidInputError, match="tma must be a bool"):
+        KernelConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, tma=1)
     with expect_raises(InvalidInputError, match="no fused_moe config"):
         get_config(1, 64, 64, 4, 2, torch.int8)
     with expect_raises(InvalidInputError, match="stage"):
