@@ -13,7 +13,6 @@ from typing import ClassVar
 
 import torch
 
-from moekit.quant import quantize_fp8_per_token_group
 from moekit.types import ActivationFormat, ExpertPlacement, Prepared, QuantScheme
 
 
@@ -52,7 +51,9 @@ class PrepareFinalize(ABC):
 def quantize_activations(x: torch.Tensor, quant: QuantScheme) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(a1q, a1q_scale)`` for ``quant``: fp8 with 1x128 row-major group scales, or ``x`` as is."""
     if quant is QuantScheme.FP8_BLOCK:
-        return quantize_fp8_per_token_group(x)
+        from moekit.kernels.quant import quantize_fp8_group
+
+        return quantize_fp8_group(x)
     return x, None
 
 
