@@ -156,7 +156,21 @@ def test_bench_results_and_plots(tmp_path):
     assert labels == ["triton", "torch", "floor", "anchor: vllm_triton"]  # the skipped peer draws nothing
 
 
-def test_bench_results_rejects_foreign_json(tmp_path):
+def test_bench_results_reads_other_layouts_and_rejects_non_objects(tmp_path):
+    import json
+
+    timing = [
+        {"rank": 0, "M": m, "quant": q, "dispatch_us": 10.0 * m, "combine_us": 5.0 * m}
+        for m in (128, 512)
+        for q in ("none", "fp8_block")
+    ]
+    (tmp_path / "ep-nvidia-h200x2-2026-11-30.json").write_text(json.dumps({"device": "H200", "timing": timing}))
     (tmp_path / "notes.json").write_text('{"hello": 1}')
-    with pytest.raises(ValueError, match="notes.json"):
+    ep, notes = viz.bench_results(tmp_path)
+    assert ep["name"] == "ep-nvidia-h200x2-2026-11-30" and ep["environment"]["date"] == "2026-11-30"
+    assert len(ep["rows"]) == 4 and notes["rows"] == []
+    assert len(viz.plot_bench(ep).axes[0].lines) == 4  # dispatch and combine, per quantization
+    assert _png(viz.plot_bench_grid([ep, notes])).startswith(b"\x89PNG")
+    (tmp_path / "broken.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="broken.json"):
         viz.bench_results(tmp_path)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from moekit.viz._figure import axes_or_new, new_axes
 
-KINDS = ("layer", "chunking", "count")
+KINDS = ("layer", "chunking", "count", "ep")
 
 
 def default_results_dir() -> Path:
@@ -28,24 +28,37 @@ def default_results_dir() -> Path:
 
 
 def bench_results(directory: str | Path | None = None) -> list[dict]:
-    """Every ``*.json`` record under ``directory``, sorted by name then date; ``record["path"]`` is set.
+    """Every ``*.json`` record under ``directory``, sorted by name then date.
 
-    A file that is not a benchmark record (no ``name`` or ``rows``) raises ValueError naming it,
-    so a broken result cannot silently drop out of the plots.
+    Each record gets ``path``, and ``name``/``environment``/``rows`` even when its writer used
+    another layout (the EP all-to-all bench writes ``device`` and ``timing``): the name then
+    comes from the file name. A file holding anything but a JSON object raises ValueError
+    naming it, so a broken result cannot silently drop out of the plots.
     """
     folder = Path(directory) if directory is not None else default_results_dir()
     records = []
     for path in sorted(folder.glob("*.json")):
         record = json.loads(path.read_text())
-        if not isinstance(record, dict) or "name" not in record or not isinstance(record.get("rows"), list):
-            raise ValueError(f"{path} is not a moekit benchmark record (expected keys 'name' and 'rows')")
-        record["path"] = str(path)
-        records.append(record)
-    return sorted(records, key=lambda r: (r["name"], r.get("environment", {}).get("date", "")))
+        if not isinstance(record, dict):
+            raise ValueError(f"{path} is not a benchmark record (expected a JSON object)")
+        records.append(_normalized(record, path))
+    return sorted(records, key=lambda r: (r["name"], r["environment"].get("date", "")))
+
+
+def _normalized(record: dict, path: Path) -> dict:
+    stem = path.stem
+    date = stem[-10:] if len(stem) > 10 and stem[-10:-6].isdigit() else "?"
+    record.setdefault("name", stem)
+    record.setdefault("environment", {"gpu": record.get("device", "?"), "date": date})
+    rows = record.get("rows")
+    if not isinstance(rows, list):
+        rows = record.get("timing") if isinstance(record.get("timing"), list) else []
+    record["rows"], record["path"] = rows, str(path)
+    return record
 
 
 def kind(record: dict) -> str:
-    """``"layer"``, ``"chunking"``, ``"count"`` or ``"other"``, from the record's name."""
+    """``"layer"``, ``"chunking"``, ``"count"``, ``"ep"`` or ``"other"``, from the record's name."""
     return next((k for k in KINDS if record["name"].startswith(k)), "other")
 
 
@@ -130,9 +143,25 @@ def plot_count(record: dict, *, ax=None):
     return fig
 
 
+def plot_ep(record: dict, *, ax=None):
+    """All-to-all dispatch and combine time against tokens per rank (rank 0), per quantization."""
+    fig, ax = axes_or_new(ax, width=5.6)
+    rows = [r for r in record["rows"] if r.get("rank", 0) == 0 and "M" in r]
+    for i, quant in enumerate(dict.fromkeys(r.get("quant", "") for r in rows)):
+        pts = sorted((r["M"], r.get("dispatch_us"), r.get("combine_us")) for r in rows if r.get("quant", "") == quant)
+        ms = [p[0] for p in pts]
+        ax.plot(ms, [p[1] for p in pts], marker="o", ms=4, color=f"C{i}", label=f"dispatch, {quant}")
+        ax.plot(ms, [p[2] for p in pts], marker="s", ms=4, ls="--", color=f"C{i}", label=f"combine, {quant}")
+    ax.set(xscale="log", yscale="log", xlabel="M tokens per rank", ylabel="us per call (rank 0)")
+    ax.set_title(_title(record), fontsize=9)
+    ax.legend(fontsize=7)
+    return fig
+
+
 def plot_bench(record: dict, *, ax=None):
     """Draw one record with the plot for its kind."""
-    plot = {"layer": plot_layer, "chunking": plot_chunking, "count": plot_count}.get(kind(record))
+    plots = {"layer": plot_layer, "chunking": plot_chunking, "count": plot_count, "ep": plot_ep}
+    plot = plots.get(kind(record))
     if plot is None:
         fig, ax = axes_or_new(ax)
         ax.axis("off")
