@@ -45,7 +45,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    help="token counts for the declared-workspace table")
     p.add_argument("--check-rows", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, help="output file (default: --out/<name>-<gpu>-<date>.json)")
+    p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and declared workspaces only")
     return p.parse_args(argv)
 
