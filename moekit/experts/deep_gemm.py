@@ -207,21 +207,36 @@ class DeepGemmExperts(Experts):
                 f"{routed} (token, slot) pairs to the local experts: the metadata belongs to another "
                 "batch (bug 2 of vLLM PR #20392: whole-batch counts handed to a chunk). Recount per chunk."
             )
-        mm1 = carve(ws13, (M_sum, N))
-        self._gemm(real, layout.a, layout.a_scale, w.w1, w.w1_scale, mm1, layout)
+        rows = self._rows_in_use(real, call, layout, M_sum)
+        mm1 = carve(ws13, (M_sum, N))[:rows]
+        self._gemm(real, layout.a[:rows], layout.a_scale[:rows], w.w1, w.w1_scale, mm1, layout, rows)
         q, q_scale = _fp8_region(ws2.reshape(-1).view(torch.uint8), M_sum, N // 2)  # a is dead now
+        q, q_scale = q[:rows], q_scale[:rows]
         silu_and_mul_fp8_group(mm1, out_q=q, out_scale=q_scale, static_scale=self._a2_scale(call))
         mm2 = carve(ws13, (M_sum, K))
-        self._gemm(real, q, q_scale, w.w2, w.w2_scale, mm2, layout)
+        self._gemm(real, q, q_scale, w.w2, w.w2_scale, mm2[:rows], layout, rows)
         unpermute_from_contiguous(mm2, layout.inv_perm, out=call.output)
         return backend
 
-    def _gemm(self, real: bool, a, a_scale, b, b_scale, out, layout: ContiguousLayout) -> None:
+    @staticmethod
+    def _rows_in_use(real: bool, call: ExpertsCall, layout: ContiguousLayout, M_sum: int) -> int:
+        """Rows the GEMMs must compute. Without CPU counts M_sum is a worst case (every expert
+        padded by 127 rows); deep_gemm computes every row it is given, so read the real total
+        once (one host sync; about half the GEMM work at M=4096, E=256). Skipped under CUDA-graph
+        capture, and for the Triton GEMM, which skips blocks of pure padding on the device."""
+        meta = call.tokens_meta
+        if not real or (meta is not None and meta.expert_num_tokens_cpu is not None):
+            return M_sum
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return M_sum
+        return int(layout.expert_start[-1].item())
+
+    def _gemm(self, real: bool, a, a_scale, b, b_scale, out, layout: ContiguousLayout, rows: int) -> None:
         if real:
-            dg.grouped_gemm_contiguous(a, a_scale, b, b_scale, out, layout.m_indices)
+            dg.grouped_gemm_contiguous(a, a_scale, b, b_scale, out, layout.m_indices[:rows])
         else:
-            contiguous_gemm(a, a_scale, b, b_scale, layout.m_indices, out=out, block_rows=layout.block_rows,
-                            config=self.gemm_config)  # fmt: skip
+            contiguous_gemm(a, a_scale, b, b_scale, layout.m_indices[:rows], out=out,
+                            block_rows=layout.block_rows[: rows // ALIGN], config=self.gemm_config)  # fmt: skip
 
     @staticmethod
     def _a2_scale(call: ExpertsCall) -> torch.Tensor | None:
