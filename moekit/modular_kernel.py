@@ -44,10 +44,9 @@ from moekit.types import (
     MoEWeights,
     Prepared,
     ProblemSize,
-    WorkspaceShapes,
 )
 from moekit.validate import check_expert_map, check_moe_inputs
-from moekit.workspace import WorkspacePool, WorkspaceViews
+from moekit.workspace import WorkspacePool, fits_leading_rows, leading_rows, once_mismatch_message
 
 WORKSPACE_POLICIES = ("per_chunk", "once")
 METADATA_POLICIES = ("per_chunk", "whole_batch")
@@ -228,12 +227,12 @@ class ModularKernel:
             own = experts.workspace_shapes(sub, act_dtype=act_dtype, tokens_meta=meta)
             shapes = own if once is None else once
             views = pool.take(shapes)
-            if once is not None and _fits(own, once):
+            if once is not None and fits_leading_rows(own, once):
                 # What upstream did before the fix, and why it usually worked: a smaller chunk of
                 # the same backend takes the leading rows of the buffers declared once.
-                views = _leading_rows(views, own)
+                views = leading_rows(views, own)
             elif once is not None and self.guard:
-                raise WorkspaceShapeError(_once_mismatch(experts, r, once, own, sub))
+                raise WorkspaceShapeError(once_mismatch_message(experts, r, once, own, sub))
             out_slice = fused_out if single else slice_rows(fused_out, r, problem.M)
             if (once is None or self.guard) and tuple(out_slice.shape) != own.output:
                 raise WorkspaceShapeError(
@@ -284,27 +283,3 @@ class ModularKernel:
         from moekit.kernels.count import count_expert_num_tokens
 
         return count_expert_num_tokens(call.topk_ids, placement.num_local_experts, placement.expert_map)
-
-
-def _fits(own: WorkspaceShapes, once: WorkspaceShapes) -> bool:
-    """Whether ``own`` is a leading-rows slice of ``once`` (same layout and dtype, no more rows)."""
-    if own.dtype != once.dtype:
-        return False
-    pairs = ((own.workspace13, once.workspace13), (own.workspace2, once.workspace2))
-    return all(len(a) == len(b) and (not a or (a[1:] == b[1:] and a[0] <= b[0])) for a, b in pairs)
-
-
-def _leading_rows(views: WorkspaceViews, own: WorkspaceShapes) -> WorkspaceViews:
-    return WorkspaceViews(views.workspace13[: own.workspace13[0]], views.workspace2[: own.workspace2[0]])
-
-
-def _once_mismatch(experts: Experts, r: ChunkRange, once: WorkspaceShapes, own: WorkspaceShapes, sub) -> str:
-    return (
-        f"workspace_policy='once': {experts.name} declared its workspaces once, for the first chunk, "
-        f"as workspace13={once.workspace13}, workspace2={once.workspace2}, output={once.output} "
-        f"({once.dtype}). Chunk {r.index} (tokens [{r.start}, {r.end}), M={sub.M}) runs backend "
-        f"'{experts.backend_for(sub)}', which needs workspace13={own.workspace13}, "
-        f"workspace2={own.workspace2}, output={own.output}. This is bug 1 of vLLM PR #20392: "
-        "a dispatching experts class may change backend between chunks, so workspace shapes "
-        "must be computed per chunk (workspace_policy='per_chunk')."
-    )

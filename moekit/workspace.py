@@ -79,3 +79,30 @@ def shared_pool(device: torch.device | str) -> WorkspacePool:
     if key not in _POOLS:
         _POOLS[key] = WorkspacePool(device)
     return _POOLS[key]
+
+
+# The pre-fix policy (workspace_policy='once'): buffers declared once, for the first chunk.
+def fits_leading_rows(own: WorkspaceShapes, once: WorkspaceShapes) -> bool:
+    """Whether ``own`` is a leading-rows slice of ``once`` (same layout and dtype, no more rows)."""
+    if own.dtype != once.dtype:
+        return False
+    pairs = ((own.workspace13, once.workspace13), (own.workspace2, once.workspace2))
+    return all(len(a) == len(b) and (not a or (a[1:] == b[1:] and a[0] <= b[0])) for a, b in pairs)
+
+
+def leading_rows(views: WorkspaceViews, own: WorkspaceShapes) -> WorkspaceViews:
+    """The first rows of each workspace, as many as ``own`` declares (upstream's prefix views)."""
+    return WorkspaceViews(views.workspace13[: own.workspace13[0]], views.workspace2[: own.workspace2[0]])
+
+
+def once_mismatch_message(experts, r, once: WorkspaceShapes, own: WorkspaceShapes, sub) -> str:
+    """What the guard says when a chunk's own shapes do not fit the ones declared once."""
+    return (
+        f"workspace_policy='once': {experts.name} declared its workspaces once, for the first chunk, "
+        f"as workspace13={once.workspace13}, workspace2={once.workspace2}, output={once.output} "
+        f"({once.dtype}). Chunk {r.index} (tokens [{r.start}, {r.end}), M={sub.M}) runs backend "
+        f"'{experts.backend_for(sub)}', which needs workspace13={own.workspace13}, "
+        f"workspace2={own.workspace2}, output={own.output}. This is bug 1 of vLLM PR #20392: "
+        "a dispatching experts class may change backend between chunks, so workspace shapes "
+        "must be computed per chunk (workspace_policy='per_chunk')."
+    )

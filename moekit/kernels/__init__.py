@@ -2,11 +2,16 @@
 above the public launcher ``name`` that validates inputs, allocates the output and launches it.
 
 - ``count``: ``count_expert_num_tokens``, tokens per local expert ("scan" and "histogram").
+  ``count_histogram`` holds the one-pass variants (one launch, a self-resetting ticket scratch).
 - ``align``: ``moe_align_block_size``, (token, slot) pairs sorted by expert, padded to a block.
-- ``fused_moe``: grouped GEMM over aligned blocks (standard format).
-- ``contiguous_gemm``: grouped GEMM in DeepGEMM's contiguous layout.
+- ``fused_moe``: grouped GEMM over aligned blocks (standard format), with an optional fused
+  silu_and_mul (+ fp8 1x128 requantization) epilogue for GEMM1; ``configs`` picks its tiles.
+- ``permute``: DeepGEMM's contiguous layout (rows grouped by expert, padded to 128, ``m_indices``).
+- ``contiguous_gemm``: grouped fp8 GEMM in that layout (moekit's own, when deep_gemm is absent).
 - ``batched_gemm``: batched-format GEMM masked by ``expert_num_tokens``.
-- ``activation``: ``silu_and_mul``.
+- ``activation``: ``silu_and_mul`` and ``silu_and_mul_fp8_group`` (fused 1x128 requantization).
+- ``quant``: fp8 1x128 activation quantization (prepare).
+- ``reduce``: ``weighted_topk_sum``, the finalize step (weight by topk and sum, one pass).
 
 Every kernel runs on a CUDA GPU, or on the CPU through Triton's interpreter (see
 :mod:`moekit.device`); the launchers take the same tensors either way.
