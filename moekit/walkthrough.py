@@ -222,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--only", nargs="+", default=None, metavar="NN", help="run only these notebooks (prefixes)")
     p.add_argument("--notebooks", type=Path, default=None, help="folder of notebooks (default: <repo>/notebooks)")
     p.add_argument("--out", type=Path, default=None, help="output folder (default: <repo>/build/walkthrough)")
-    p.add_argument("--timeout", type=int, default=600, help="seconds per cell before a notebook fails")
+    p.add_argument("--timeout", type=int, default=300, help="seconds per cell before a notebook fails")
     p.add_argument("--no-html", action="store_true", help="skip the nbconvert HTML export")
     p.add_argument("--update-docs", action="store_true", help="copy the figures to --docs-dir")
     p.add_argument("--docs-dir", type=Path, default=None, help="default: <repo>/docs/figures")

@@ -12,6 +12,7 @@ The logic is two pure functions that run headless and are unit-tested:
 from __future__ import annotations
 
 import dataclasses
+import html
 from dataclasses import dataclass
 
 import torch
@@ -119,7 +120,6 @@ def draw(view: ExplorerView, fig=None):
 def explorer(params: ExplorerParams | None = None, **overrides):
     """A VBox of sliders over a live figure; ``box.last_view`` holds the latest ExplorerView."""
     import ipywidgets as w
-    from IPython.display import display
 
     p = dataclasses.replace(params or ExplorerParams(), **overrides).normalized()
     style = {"description_width": "60px"}
@@ -134,16 +134,35 @@ def explorer(params: ExplorerParams | None = None, **overrides):
     text, out = w.HTML(), w.Output()
     box = w.VBox([w.HBox(list(sliders.values())[:3]), w.HBox(list(sliders.values())[3:]), text, out])
 
-    def update(**values):
-        """Redraw for the sliders' values (ipywidgets calls it on every change)."""
-        view = explorer_view(dataclasses.replace(p, **values))
+    def update(_change=None):
+        """Redraw for the sliders' current values (called on every change)."""
+        values = {name: slider.value for name, slider in sliders.items()}
+        try:
+            view = explorer_view(dataclasses.replace(p, **values))
+            out.outputs = (_display_data(draw(view)),)
+        except Exception as e:  # from a slider: its traceback would only reach the server log
+            if _change is None:
+                raise
+            text.value = f"<pre>{html.escape(f'{type(e).__name__}: {e}')}</pre>"
+            return
         box.last_view, text.value = view, f"<code>{view.summary()}</code>"
-        with out:
-            out.clear_output(wait=True)
-            display(draw(view))
 
-    w.interactive_output(update, sliders)
+    for slider in sliders.values():
+        slider.observe(update, "value")
+    update()
     return box
+
+
+def _display_data(obj) -> dict:
+    # The figure goes into the Output widget's state, not through `with out: display(...)`.
+    # Captured output makes a headless runner (nbclient, so papermill) echo the widget state to
+    # the kernel on the shell socket while it waits there for the cell's reply; that race can
+    # stall it until its cell timeout (seen: 600 s) before it carries on.
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    data, metadata = shell.display_formatter.format(obj) if shell is not None else ({"text/plain": repr(obj)}, {})
+    return {"output_type": "display_data", "data": data, "metadata": metadata}
 
 
 def _nearest(value, options):

@@ -70,3 +70,13 @@ def test_explorer_widget_updates_on_slider_change():
     by_name["EP size"].value = 2
     assert box.last_view.counts.shape[1] == 4
     assert "EP rank 0 of 2" in box.children[2].value
+    (shown,) = box.children[3].outputs  # one figure, replaced (not appended) on every change
+    assert shown["output_type"] == "display_data" and "Figure" in shown["data"]["text/plain"]
+
+
+def test_explorer_shows_an_error_from_a_slider(monkeypatch):
+    pytest.importorskip("ipywidgets")
+    box = widgets.explorer(M=64, C=16, E=8)
+    monkeypatch.setattr(widgets, "draw", lambda view: 1 / 0)
+    box.children[0].children[0].value = 128
+    assert "ZeroDivisionError" in box.children[2].value and box.last_view.params.M == 64
