@@ -206,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line of ``moekit walkthrough`` (see the module docstring)."""
     p = argparse.ArgumentParser(
         prog="moekit walkthrough",
-        description=__doc__.split("\n\n")[0],
+        description="\n\n".join(__doc__.split("\n\n")[:3]),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("overrides", nargs="*", metavar="NN:NAME=VALUE", help="a parameter for one notebook (e.g. 02:M=256)")
