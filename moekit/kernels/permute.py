@@ -24,69 +24,23 @@ differ between GPU runs.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from moekit.errors import InvalidInputError
+from moekit.kernels.contiguous_layout import (
+    ALIGN,
+    FP8,
+    MISMATCH,
+    OVERFLOW,
+    ContiguousLayout,
+    alloc_layout,
+    column_major_scale,
+)
+from moekit.kernels.unpermute import unpermute_from_contiguous
 from moekit.validate import check_ids
-
-ALIGN = 128  # rows per block of the contiguous layout (DeepGEMM's m-alignment on Hopper)
-OVERFLOW = 1  # ContiguousLayout.flags bits
-MISMATCH = 2
-FP8 = torch.float8_e4m3fn
-
-
-@dataclass
-class ContiguousLayout:
-    """The permuted activations and the indices that describe them (see the module docstring).
-
-    ``expert_start`` is int32 ``[E + 1]``: where each expert's padded segment starts, and the
-    total padded rows last. ``block_rows`` is int32 ``[M_sum / 128]``: rows holding data at the
-    start of each 128-row block (0 for blocks of pure padding). ``cursor`` is scratch; after
-    the permute it is ``expert_start[:-1]`` plus the pairs routed to each expert. ``flags`` is
-    int32 ``[1]``: bit :data:`OVERFLOW` when ``counts`` undercount an expert or need more rows
-    than M_sum (the rows that do not fit are dropped, never written out of bounds), bit
-    :data:`MISMATCH` when ``counts`` differ at all from the pairs ``topk_ids`` route.
-    """
-
-    a: torch.Tensor
-    a_scale: torch.Tensor
-    m_indices: torch.Tensor
-    inv_perm: torch.Tensor
-    block_rows: torch.Tensor
-    expert_start: torch.Tensor
-    cursor: torch.Tensor
-    flags: torch.Tensor
-
-    @property
-    def num_rows(self) -> int:
-        return self.a.shape[0]
-
-
-def column_major_scale(num_rows: int, groups: int, *, device, storage: torch.Tensor | None = None) -> torch.Tensor:
-    """A ``[num_rows, groups]`` fp32 view over column-major storage ``[groups, round_up(num_rows, 4)]``."""
-    padded = (num_rows + 3) // 4 * 4
-    if storage is None:
-        storage = torch.empty(groups * padded, dtype=torch.float32, device=device)
-    return storage[: groups * padded].view(groups, padded)[:, :num_rows].t()
-
-
-def alloc_layout(num_rows: int, K: int, num_pairs: int, num_experts: int, *, device) -> ContiguousLayout:
-    """Fresh buffers for a layout of ``num_rows`` rows (experts carve theirs from workspaces)."""
-    i32 = dict(dtype=torch.int32, device=device)
-    return ContiguousLayout(
-        a=torch.empty(num_rows, K, dtype=FP8, device=device),
-        a_scale=column_major_scale(num_rows, math.ceil(K / ALIGN), device=device),
-        m_indices=torch.empty(num_rows, **i32),
-        inv_perm=torch.empty(num_pairs, **i32),
-        block_rows=torch.empty(num_rows // ALIGN, **i32),
-        expert_start=torch.empty(num_experts + 1, **i32),
-        cursor=torch.empty(num_experts, **i32),
-        flags=torch.empty(1, **i32),
-    )
 
 
 @triton.jit
@@ -265,64 +219,6 @@ def permute_to_contiguous(
             ALIGN_M=ALIGN, BLOCK_E=BLOCK_E,
         )  # fmt: skip
     return layout
-
-
-@triton.jit
-def _gather_rows_kernel(
-    # Pointers
-    rows_ptr, inv_perm_ptr, out_ptr,
-    # Sizes
-    K, topk, stride_rm, stride_om, stride_oj,
-    # Meta-parameters
-    TOPK: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    m = tl.program_id(0).to(tl.int64)
-    j = tl.arange(0, TOPK)
-    jmask = j < topk
-    row = tl.load(inv_perm_ptr + m * topk + j, mask=jmask, other=-1).to(tl.int64)
-    has = row >= 0
-    offs_k = tl.arange(0, BLOCK_K)
-    for k0 in range(0, K, BLOCK_K):
-        kmask = k0 + offs_k < K
-        x = tl.load(rows_ptr + row[:, None] * stride_rm + k0 + offs_k[None, :], mask=has[:, None] & kmask[None, :], other=0.0)
-        dst = out_ptr + m * stride_om + j[:, None] * stride_oj + k0 + offs_k[None, :]
-        tl.store(dst, x.to(out_ptr.dtype.element_ty), mask=jmask[:, None] & kmask[None, :])
-
-
-def unpermute_from_contiguous(rows: torch.Tensor, inv_perm: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
-    """Gather the layout's rows back to ``out [M, topk, K]``; slots with no row get zeros.
-
-    In plain Python::
-
-        for m, j in pairs:
-            r = inv_perm[m * topk + j]
-            out[m, j] = rows[r] if r >= 0 else 0
-
-    Upstream (2025-07) computed the rows of non-local experts with expert 0's weights and
-    relied on their router weights being 0 at finalize; moekit writes zeros instead, as its
-    Triton experts do, so the result is right whatever those weights are.
-
-    Args:
-        rows: ``[M_sum, >=K]`` GEMM2 output (unit column stride). inv_perm: int32 ``[M * topk]``.
-        out: ``[M, topk, K]`` (unit last stride), written in place and returned.
-    """
-    if out.dim() != 3 or out.stride(2) != 1 or rows.dim() != 2 or rows.stride(1) != 1:
-        raise InvalidInputError(
-            f"expected rows [M_sum, K] and out [M, topk, K] with unit last strides, got "
-            f"{tuple(rows.shape)} {rows.stride()} and {tuple(out.shape)} {out.stride()}"
-        )
-    M, topk, K = out.shape
-    if inv_perm.numel() != M * topk or rows.shape[1] < K:
-        raise InvalidInputError(
-            f"inv_perm must have M*topk={M * topk} entries and rows >= {K} columns, got {inv_perm.numel()} "
-            f"and {rows.shape[1]}"
-        )
-    if M > 0:
-        _gather_rows_kernel[(M,)](
-            rows, inv_perm, out, K, topk, rows.stride(0), out.stride(0), out.stride(1),
-            TOPK=triton.next_power_of_2(topk), BLOCK_K=min(triton.next_power_of_2(K), 1024),
-        )  # fmt: skip
-    return out
 
 
 __all__ = [
