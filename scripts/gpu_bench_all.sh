@@ -6,7 +6,7 @@
 # Steps run in priority order, each in its own process under `timeout`, and the whole run stops
 # starting new steps near BUDGET_S seconds (default 470, so it ends inside a 10-minute call).
 # Every step rewrites its JSON after each row, so a step cut short keeps what it measured.
-# At most 8 files land in $OUT (the device tool returns no more): log.txt and 6 JSON files.
+# It writes at most 8 files into $OUT: log.txt and 6 JSON files.
 # No install and no network: moekit runs from this checkout through PYTHONPATH.
 set -u
 cd "$(dirname "$0")/.."
