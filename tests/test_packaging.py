@@ -45,7 +45,7 @@ def test_pins_satisfy_pyproject_ranges_and_agree_with_environment_yml():
 
 
 def test_interpreter_safe_triton_numpy_pair():
-    # FACTS: triton 3.6 + numpy 2.4 crash the interpreter; 3.9 + 2.4 work.
+    # Seen: triton 3.6 + numpy 2.4 crash the interpreter; 3.9 + 2.4 work.
     pins = _pins(ROOT / "requirements" / "pins.txt")
     triton = tuple(int(x) for x in pins["triton"].split(".")[:2])
     numpy = tuple(int(x) for x in pins["numpy"].split(".")[:2])

@@ -39,7 +39,7 @@ from moekit.routing import contiguous_expert_map
 # (M, topk, E), the target first: a run cut short by a time limit still has it.
 CASES = [(262144, 8, 256), (65536, 8, 256), (4096, 8, 256), (16384, 6, 64), (128, 8, 64)]
 METHODS = ("scan", "histogram", "torch.bincount", "torch.histc")
-ANCHORS = {  # FACTS.md, H200, do_bench medians, 262144 x 8 ids, E = 256
+ANCHORS = {  # recorded H200 anchors, do_bench medians, 262144 x 8 ids, E = 256
     "seed scan kernel, no map": 622.0,
     "seed scan kernel with a map (later upstream version)": 975.0,
     "torch.histc": 19.7,
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     env = environment()
     print(f"{env.gpu}, torch {env.torch}, triton {env.triton}, {env.date}; ids {args.ids_dtype}")
     for what, us in ANCHORS.items():
-        print(f"  anchor (FACTS.md, H200) {what}: {us} us")
+        print(f"  anchor (H200) {what}: {us} us")
     rows: list[dict] = []
     payload = dict(ids_dtype=args.ids_dtype, anchors=ANCHORS, rows=rows, tuning=asdict(HistogramTuning()),
                    variant=count_mod._HISTOGRAM_VARIANT)

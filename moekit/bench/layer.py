@@ -2,7 +2,7 @@
 
 For each M: draw weights and routing, check every peer against the fp32 reference on a sample
 of rows, then time it (a CUDA graph for M <= --graph-max-M, else eager ``do_bench`` medians),
-and report the floor, the fraction of it reached, peak memory, the FACTS.md anchors and the
+and report the floor, the fraction of it reached, peak memory, the recorded H200 anchors and the
 issue's targets. Example::
 
     python -m moekit.bench layer --shape qwen3_30b_a3b --M 1 128 4096 16384 --dtype bf16
@@ -172,7 +172,7 @@ def print_summary(rows: list[dict], args) -> None:
     from moekit.bench.common import format_table
 
     print(format_table([_display(r) for r in rows], COLUMNS))
-    print(f"\nanchors (FACTS.md, H200, us) and targets for {args.shape} {args.dtype}:")
+    print(f"\nanchors (recorded on an H200, us) and targets for {args.shape} {args.dtype}:")
     for M in args.M:
         key = (args.shape, args.dtype, M)
         targets = "; ".join(t.describe() for t in shapes.TARGETS.get(key, [])) or "-"

@@ -12,7 +12,7 @@ does two GEMMs per (token, slot) pair::
     floor = max(bytes / 4.3 TB/s, flops / peak)     peak: 790 TF/s bf16, 1365 TF/s fp8
 
 Worked example (Qwen3-30B-A3B, bf16, M=1): 8 experts x (1536 x 2048 + 2048 x 768) x 2 bytes
-= 75.5 MB, so the floor is 75.5e6 / 4.3e12 = 17.6 us, the figure in FACTS.md.
+= 75.5 MB, so the floor is 75.5e6 / 4.3e12 = 17.6 us, the recorded floor.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def layer_floor(shape: LayerShape, M: int, unique_experts: int, dtype: str) -> F
 
 
 # ----------------------------------------------------------------------------------------------
-# Anchors measured on the H200 (FACTS.md) and the issue's targets, keyed (shape, dtype, M).
+# Anchors measured on an H200 and the performance targets, keyed (shape, dtype, M).
 
 ANCHORS: dict[tuple[str, str, int], dict[str, float]] = {
     ("qwen3_30b_a3b", "bf16", 1): {"vllm_triton": 89.0, "hf_grouped_mm": 664.0},
@@ -132,7 +132,7 @@ ANCHORS: dict[tuple[str, str, int], dict[str, float]] = {
     },
 }
 
-# Floors as FACTS.md quotes them (us); the bench recomputes its own from the routing it drew.
+# Floors as recorded with the anchors (us); the bench recomputes its own from the routing it drew.
 FACTS_FLOORS: dict[tuple[str, str, int], float] = {
     ("qwen3_30b_a3b", "bf16", 1): 17.6,
     ("qwen3_30b_a3b", "bf16", 128): 281.0,
