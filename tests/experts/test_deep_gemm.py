@@ -17,7 +17,7 @@ from moekit.quant import (
 )
 from moekit.reference import count_reference, moe_reference
 from moekit.routing import contiguous_expert_map, uniform_router
-from moekit.testing import expect_raises
+from moekit.testing import assert_close, expect_raises
 from moekit.types import ExpertsCall, ExpertTokensMetadata, MoEWeights, ProblemSize, QuantScheme
 from moekit.workspace import WorkspacePool
 
@@ -85,7 +85,9 @@ def test_chunked_equals_unchunked(device):
     kernel = moekit.ModularKernel(NoEPPrepareFinalize(), DeepGemmExperts(), chunk_size=16)
     chunked = run(kernel, hidden, w, weights, ids)
     assert len(kernel.last_trace) == 3
-    assert torch.equal(chunked, whole)  # every row's arithmetic is the same, wherever it lands
+    # Within the fp8 tolerance, not bit for bit: a row's place in a tile moves with the chunking,
+    # and the interpreter's matmul (OpenBLAS, chosen per CPU) may round it differently there.
+    assert_close(chunked, whole, dtype=torch.bfloat16)
 
 
 def test_expert_map_zeroes_non_local_slots(device):

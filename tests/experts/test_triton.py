@@ -40,12 +40,11 @@ def kernel(quant=QuantScheme.NONE, chunk_size=None, *, fused=False, **kw):
 
 
 def same(a, b, dtype):
-    # The interpreter uses one config for every M, so chunking changes nothing, bit for bit; on a
-    # GPU the tiles (and the summation order) depend on the chunk's M.
-    if moekit.device.interpreting():
-        assert torch.equal(a, b)
-    else:
-        assert_close(a, b, dtype=dtype)
+    # What moekit promises: chunking changes a result by no more than the dtype's rounding. Not
+    # bit-identity: under the interpreter tl.dot is numpy's matmul, whose OpenBLAS kernel (picked
+    # per CPU) may round a row differently depending on its place in the tile (seen on AMD EPYC,
+    # and here with OPENBLAS_CORETYPE=Zen); on a GPU the tiles themselves depend on the chunk's M.
+    assert_close(a, b, dtype=dtype)
 
 
 @pytest.mark.parametrize(

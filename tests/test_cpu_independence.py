@@ -1,0 +1,38 @@
+"""moekit's promises must hold on every CPU, not just this one.
+
+Under the interpreter ``tl.dot`` is numpy's matmul, and numpy's OpenBLAS picks its kernel per CPU
+at run time; a row's rounding can depend on where it sits in the tile. A fresh clone once failed
+on an AMD EPYC machine because two tests asserted bit-identity between chunked and unchunked
+runs. ``OPENBLAS_CORETYPE`` forces another CPU's kernel on this machine, so the chunking tests run
+here under the kernels of other CPU families (Haswell and Zen reproduce the EPYC failure).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CHUNKING_TESTS = [
+    "tests/experts/test_triton.py::test_chunked_equals_unchunked_equals_reference",
+    "tests/experts/test_triton.py::test_fused_activation",
+    "tests/experts/test_deep_gemm.py::test_chunked_equals_unchunked",
+]
+
+pytestmark = pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "AMD64"), reason="OPENBLAS_CORETYPE names x86-64 kernels"
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("coretype", ["Haswell", "Zen", "SkylakeX"])
+def test_chunking_promises_hold_under_other_cpu_kernels(coretype):
+    env = {**os.environ, "OPENBLAS_CORETYPE": coretype, "MOEKIT_DEVICE": "cpu"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *CHUNKING_TESTS]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"OPENBLAS_CORETYPE={coretype}:\n{done.stdout[-3000:]}\n{done.stderr[-2000:]}"
