@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml requirements/pins.txt Makefile
 	@touch $(STAMP)
 
 lint: venv
-	$(VENV)/bin/ruff check moekit tests notebooks scripts
+	$(VENV)/bin/ruff check moekit tests notebooks benchmarks
 
 test: venv lint
 	$(PY) -m pytest -q $(ARGS)
@@ -38,7 +38,7 @@ lab: venv
 	$(VENV)/bin/jupyter lab notebooks
 
 bench: venv
-	$(PY) -m moekit.bench $(ARGS)
+	$(PY) -m benchmarks.harness $(ARGS)
 
 info: venv
 	$(PY) -m moekit.cli info

@@ -29,7 +29,7 @@ _LAZY = {
 }
 
 
-_SUBMODULES = {"api", "bench", "experts", "integrations", "kernels", "prepare_finalize", "testing", "viz", "widgets"}
+_SUBMODULES = {"api", "experts", "integrations", "kernels", "policies", "prepare_finalize", "testing", "viz", "widgets"}
 
 
 def __getattr__(name):

@@ -2,14 +2,36 @@
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
+
 import torch
 
+from moekit.chunking import validate_chunk_size
 from moekit.experts import experts_class
 from moekit.modular_kernel import ModularKernel
 from moekit.prepare_finalize.no_ep import NoEPPrepareFinalize
+from moekit.quant import FP8
 from moekit.types import QuantScheme
+from moekit.workspace import shared_pool
 
-_KERNELS: dict[tuple, ModularKernel] = {}
+_CACHE_SIZE = 16  # kernels kept; they hold no memory of their own (the workspace pool is shared)
+_KERNELS: OrderedDict[tuple, ModularKernel] = OrderedDict()
+_KERNELS_LOCK = threading.Lock()
+
+
+def _kernel(experts: str, chunk_size: int | None, quant: QuantScheme, device: torch.device) -> ModularKernel:
+    key = (experts, chunk_size, quant, str(device))
+    with _KERNELS_LOCK:
+        kernel = _KERNELS.get(key)
+        if kernel is None:
+            kernel = ModularKernel(NoEPPrepareFinalize(), experts_class(experts)(quant=quant), chunk_size=chunk_size,
+                                   trace_counts=False, pool=shared_pool(device))  # fmt: skip
+            _KERNELS[key] = kernel
+            while len(_KERNELS) > _CACHE_SIZE:
+                _KERNELS.popitem(last=False)
+        _KERNELS.move_to_end(key)
+        return kernel
 
 
 def fused_moe(
@@ -29,8 +51,9 @@ def fused_moe(
     """Run one MoE layer: ``[M, K] -> [M, K]``.
 
     The quantization scheme follows the weights: fp8 ``w1``/``w2`` (with 128x128 block scales)
-    select ``QuantScheme.FP8_BLOCK``, anything else runs unquantized. Kernels are cached per
-    (experts, chunk size, scheme), so repeated calls reuse their workspace pool.
+    select ``QuantScheme.FP8_BLOCK``, anything else runs unquantized. The modular kernels behind
+    this call are cached per (experts, chunk size, scheme, device), at most 16 of them, and share
+    one workspace pool per device; calls from several threads take turns on it.
 
     Args:
         hidden: ``[M, K]`` activations. w1: ``[E, N, K]``. w2: ``[E, K, N/2]``.
@@ -41,18 +64,20 @@ def fused_moe(
             :class:`moekit.ModularKernel`).
         w1_scale, w2_scale: fp8 block scales.
 
+    Raises:
+        ChunkSizeError, InvalidInputError, InvalidIdsError, QuantizationError: bad arguments
+            (the same errors as :class:`moekit.ModularKernel`).
+
     Example::
 
         weights, ids = moekit.routing.route(logits, topk=2)
         out = moekit.fused_moe(x, w1, w2, weights, ids, chunk_size=64)
     """
-    quant = QuantScheme.FP8_BLOCK if w1.dtype == torch.float8_e4m3fn else QuantScheme.NONE
-    key = (experts, chunk_size, quant)
-    kernel = _KERNELS.get(key)
-    if kernel is None:
-        cls = experts_class(experts)
-        kernel = ModularKernel(NoEPPrepareFinalize(), cls(quant=quant), chunk_size=chunk_size, trace_counts=False)
-        _KERNELS[key] = kernel
+    chunk_size = validate_chunk_size(chunk_size)  # before the cache: True == 1 and 4.0 == 4 as keys
+    experts_class(experts)
+    quant = QuantScheme.FP8_BLOCK if isinstance(w1, torch.Tensor) and w1.dtype == FP8 else QuantScheme.NONE
+    device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
+    kernel = _kernel(experts, chunk_size, quant, device)
     return kernel(
         hidden,
         w1,

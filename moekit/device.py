@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import warnings
-from dataclasses import dataclass
 
 # Was Triton imported (by transformers, say) before the switch below could be set? Then Triton's
 # own helpers (tl.zeros_like & co.) were built for a GPU, and kernels fail in the interpreter.
@@ -34,8 +34,33 @@ if not _HAS_CUDA:
             stacklevel=2,
         )
 
-INTERPRETING: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-DEVICE: torch.device = torch.device("cuda") if _HAS_CUDA and not INTERPRETING else torch.device("cpu")
+# Decided once, here; read through get_device() and interpreting().
+_INTERPRETING: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_DEVICE: torch.device = torch.device("cuda") if _HAS_CUDA and not _INTERPRETING else torch.device("cpu")
+
+
+def _serialize_interpreted_launches() -> None:
+    """Triton's interpreter is not thread-safe: while a kernel runs it swaps ``triton.language``
+    functions for interpreted ones and keeps the program id in one global builder, so two threads
+    launching kernels at once break each other ("Did you forget to add @triton.jit?"). One lock
+    around every interpreted launch makes them take turns, as launches on one GPU stream do."""
+    from triton.runtime import interpreter
+
+    executor = interpreter.GridExecutor
+    if getattr(executor.__call__, "_moekit_serialized", False):
+        return
+    original, lock = executor.__call__, threading.RLock()
+
+    def call(self, *args, **kwargs):
+        with lock:
+            return original(self, *args, **kwargs)
+
+    call._moekit_serialized = True
+    executor.__call__ = call
+
+
+if _INTERPRETING:
+    _serialize_interpreted_launches()
 
 
 def check_import_order() -> None:
@@ -44,7 +69,7 @@ def check_import_order() -> None:
     Then Triton's own library (``tl.sum``, ``tl.zeros_like``...) was built for a GPU, and every
     moekit kernel fails inside the interpreter with a cryptic error.
     """
-    if not INTERPRETING:
+    if not _INTERPRETING:
         return
     import triton.language as tl
     from triton.runtime.interpreter import InterpretedFunction
@@ -60,61 +85,9 @@ def check_import_order() -> None:
 
 def get_device() -> torch.device:
     """The device moekit's kernels run on: ``cuda`` or ``cpu`` (interpreter)."""
-    return DEVICE
+    return _DEVICE
 
 
 def interpreting() -> bool:
     """True when Triton kernels run in the interpreter (CPU tensors)."""
-    return INTERPRETING
-
-
-def is_hopper() -> bool:
-    """True on a compute-capability 9.x GPU (H100, H200)."""
-    return DEVICE.type == "cuda" and torch.cuda.get_device_capability()[0] == 9
-
-
-@dataclass(frozen=True)
-class Info:
-    """What ``moekit info`` prints."""
-
-    torch: str
-    triton: str
-    numpy: str
-    device: str
-    interpreter: bool
-    deep_gemm_usable: bool
-    deep_gemm_reason: str
-
-    def lines(self) -> list[str]:
-        dg = "usable" if self.deep_gemm_usable else f"not usable ({self.deep_gemm_reason})"
-        return [
-            f"torch       {self.torch}",
-            f"triton      {self.triton}",
-            f"numpy       {self.numpy}",
-            f"device      {self.device}",
-            f"interpreter {'on (TRITON_INTERPRET=1)' if self.interpreter else 'off'}",
-            f"deep_gemm   {dg}",
-        ]
-
-
-def info() -> Info:
-    """Versions, the device, the interpreter switch, and whether deep_gemm can run."""
-    import numpy
-    import triton
-
-    from moekit.backends import deep_gemm
-
-    status = deep_gemm.status()
-    if DEVICE.type == "cuda":
-        name = f"cuda:{torch.cuda.current_device()} ({torch.cuda.get_device_name()})"
-    else:
-        name = "cpu (Triton interpreter)"
-    return Info(
-        torch=torch.__version__,
-        triton=triton.__version__,
-        numpy=numpy.__version__,
-        device=name,
-        interpreter=INTERPRETING,
-        deep_gemm_usable=status.usable,
-        deep_gemm_reason=status.reason,
-    )
+    return _INTERPRETING

@@ -10,7 +10,8 @@ out ``--world-size``; each process joins the group from the environment::
     torchrun --nproc-per-node 2 -m moekit.ep --M 64 --E 16 --topk 2 --chunk-size 16
 
 Every rank builds the same global problem from the seed (all E experts' weights, all ranks'
-tokens), keeps its tokens and its ``E / W`` experts, runs ``ModularKernel`` with
+tokens, :func:`moekit.testing.make_problem`), keeps its tokens and its contiguous block of
+experts (:meth:`moekit.testing.MoEProblem.shard`), runs ``ModularKernel`` with
 :class:`~moekit.prepare_finalize.all2all.All2AllPrepareFinalize`, and compares its output with
 the one-process fp32 reference over the full weights. :func:`run_rank` is importable so that
 notebooks and tests can hand it to :func:`moekit.distributed.launch`.
@@ -28,11 +29,8 @@ import torch.distributed as dist
 
 import moekit
 from moekit.errors import InvalidInputError, MoekitError
-from moekit.quant import dequantize_fp8_block, dequantize_fp8_per_token_group, quantize_fp8_block
-from moekit.quant import quantize_fp8_per_token_group as quantize_acts
-from moekit.reference import moe_reference
-from moekit.routing import contiguous_expert_map, skewed_router
-from moekit.testing import assert_close
+from moekit.quant import FP8
+from moekit.testing import MoEProblem, assert_close, make_problem
 from moekit.types import QuantScheme
 
 
@@ -40,9 +38,9 @@ from moekit.types import QuantScheme
 class EPConfig:
     """One expert-parallel problem. ``Ms[r]`` is rank r's token count (its length is W).
 
-    ``quant`` is "none" or "fp8_block" (DeepGemm-family experts need fp8_block, with K and N
-    multiples of 128). ``empty_slots`` sets every 5th token's last slot to -1. ``skew`` shapes
-    the router (0 = uniform).
+    ``quant`` is a :class:`~moekit.QuantScheme` (DeepGemm-family experts need FP8_BLOCK, with K
+    and N multiples of 128). ``empty_every`` makes every n-th token's last slot -1 (None: no
+    empty slots). ``skew`` shapes the router (0 = uniform).
     """
 
     Ms: tuple[int, ...]
@@ -52,16 +50,12 @@ class EPConfig:
     N: int = 256
     chunk_size: int | None = None
     experts: str = "triton"
-    quant: str = "none"
+    quant: QuantScheme = QuantScheme.NONE
     metadata_policy: str = "per_chunk"
-    dtype: str = "bfloat16"
+    dtype: torch.dtype = torch.bfloat16
     skew: float = 1.0
-    empty_slots: bool = True
+    empty_every: int | None = None
     seed: int = 0
-
-    @property
-    def scheme(self) -> QuantScheme:
-        return QuantScheme(self.quant)
 
 
 @dataclass
@@ -83,36 +77,11 @@ class RankResult:
     all_counts: list[torch.Tensor] = field(default_factory=list)  # every rank's counts, on rank 0
 
 
-def global_problem(config: EPConfig) -> dict:
-    """The whole problem on the CPU, identical on every rank (seeded)."""
-    g = torch.Generator().manual_seed(config.seed)
-    E, K, N, M = config.E, config.K, config.N, sum(config.Ms)
-    dtype = getattr(torch, config.dtype)
-    w1 = (torch.randn(E, N, K, generator=g) / K**0.5).to(dtype)
-    w2 = (torch.randn(E, K, N // 2, generator=g) / (N // 2) ** 0.5).to(dtype)
-    hidden = torch.randn(M, K, generator=g).to(dtype)
-    weights, ids = skewed_router(M, E, config.topk, skew=config.skew, seed=config.seed + 1, device="cpu")
-    if config.empty_slots and M:
-        ids[::5, -1] = -1
-    p = {"hidden": hidden, "w1": w1, "w2": w2, "topk_weights": weights, "topk_ids": ids.contiguous()}
-    if config.scheme is QuantScheme.FP8_BLOCK:
-        (p["w1"], p["w1_scale"]), (p["w2"], p["w2_scale"]) = quantize_fp8_block(w1), quantize_fp8_block(w2)
-    return p
-
-
-def reference_output(config: EPConfig, p: dict, start: int, end: int, *, device=None) -> torch.Tensor:
-    """fp32 reference (on the CPU) for tokens ``[start, end)`` over all E experts.
-
-    fp8 runs are compared on dequantized weights and quantized-then-dequantized activations.
-    ``device`` only says where to compute it (a GPU is much faster at benchmark sizes).
-    """
-    on = (lambda t: t.to(device)) if device is not None else (lambda t: t)
-    hidden, w1, w2 = on(p["hidden"][start:end]), on(p["w1"]), on(p["w2"])
-    if config.scheme is QuantScheme.FP8_BLOCK:
-        hidden = dequantize_fp8_per_token_group(*quantize_acts(hidden))
-        w1, w2 = dequantize_fp8_block(w1, on(p["w1_scale"])), dequantize_fp8_block(w2, on(p["w2_scale"]))
-    ids, weights = on(p["topk_ids"][start:end]), on(p["topk_weights"][start:end])
-    return moe_reference(hidden, w1, w2, weights, ids).cpu()
+def global_problem(config: EPConfig) -> MoEProblem:
+    """The whole problem (all ranks' tokens, all E experts) on the CPU, identical on every rank."""
+    return make_problem(sum(config.Ms), E=config.E, topk=config.topk, K=config.K, N=config.N, dtype=config.dtype,
+                        quant=config.quant, skew=config.skew, empty_every=config.empty_every, seed=config.seed,
+                        device="cpu")  # fmt: skip
 
 
 def run_rank(rank: int, world_size: int, config: EPConfig, *, gather: bool = True) -> RankResult:
@@ -127,38 +96,36 @@ def run_rank(rank: int, world_size: int, config: EPConfig, *, gather: bool = Tru
     from moekit.modular_kernel import ModularKernel
     from moekit.prepare_finalize.all2all import All2AllPrepareFinalize
 
-    if len(config.Ms) != world_size or config.E % world_size:
-        raise InvalidInputError(f"need len(Ms) == world_size={world_size}, E divisible by it; got {config}")
+    if len(config.Ms) != world_size:
+        raise InvalidInputError(f"need one token count per rank (len(Ms) == world_size={world_size}); got {config}")
     device = moekit.device.get_device()
     p = global_problem(config)
     start, end = sum(config.Ms[:rank]), sum(config.Ms[: rank + 1])
-    El = config.E // world_size
-    mine = slice(rank * El, (rank + 1) * El)
+    local = p.shard(rank, world_size)
     kernel = ModularKernel(
         All2AllPrepareFinalize(),
-        experts_class(config.experts)(quant=config.scheme),
+        experts_class(config.experts)(quant=config.quant),
         chunk_size=config.chunk_size,
         metadata_policy=config.metadata_policy,
     )
-    scales = {k: p[k][mine].to(device) for k in ("w1_scale", "w2_scale") if k in p}
+    mine = slice(start, end)
+    scales = {k: v.to(device) for k, v in (("w1_scale", local.w1_scale), ("w2_scale", local.w2_scale)) if v is not None}
     error, out = None, None
     try:
         out = kernel(
-            p["hidden"][start:end].to(device), p["w1"][mine].to(device), p["w2"][mine].to(device),
-            p["topk_weights"][start:end].to(device), p["topk_ids"][start:end].to(device),
-            expert_map=contiguous_expert_map(config.E, world_size, rank, device=device),
-            global_num_experts=config.E, **scales,
-        )
+            p.hidden[mine].to(device), local.w1.to(device), local.w2.to(device),
+            p.topk_weights[mine].to(device), p.topk_ids[mine].to(device),
+            expert_map=local.expert_map.to(device), global_num_experts=config.E, **scales,
+        )  # fmt: skip
     except MoekitError as e:
         error = f"{type(e).__name__}: {e}"
     trace = kernel.last_trace
-    ref = reference_output(config, p, start, end, device=device)
+    ref = p.reference(rows=mine)
     err, close = float("nan"), False
     if out is not None:
         err = float((out.float().cpu() - ref).abs().max()) if out.numel() else 0.0
         try:
-            fp8 = config.scheme is QuantScheme.FP8_BLOCK
-            assert_close(out, ref, dtype=torch.float8_e4m3fn if fp8 else out.dtype)
+            assert_close(out, ref, dtype=FP8 if config.quant is QuantScheme.FP8_BLOCK else out.dtype)
             close = True
         except AssertionError:
             close = False
@@ -215,7 +182,7 @@ def _parse(argv):
 def _config(args, world_size: int) -> EPConfig:
     Ms = [int(m) for m in str(args.M).split(",")]
     Ms = Ms * world_size if len(Ms) == 1 else Ms
-    quant = args.quant or ("none" if args.experts == "triton" else "fp8_block")
+    quant = QuantScheme(args.quant or ("none" if args.experts == "triton" else "fp8_block"))
     return EPConfig(tuple(Ms), E=args.E, topk=args.topk, K=args.K, N=args.N, chunk_size=args.chunk_size,
                     experts=args.experts, quant=quant, metadata_policy=args.metadata_policy, seed=args.seed)
 

@@ -15,16 +15,19 @@
           trace.append(ChunkRecord(s, e, backend, shapes, counts))
       return prepare_finalize.finalize(output, prepared)    # [M, K]
 
-Two policies reproduce the pre-fix behaviour for teaching; neither is the default:
+Two policies replay the pre-fix loop for teaching (:mod:`moekit.policies`); neither is the
+default. The chunk loop existed in this form for about a month before the fix: #19168 added it
+to the modular kernel on 2025-06-11, #20392 fixed it on 2025-07-10.
 
-- ``workspace_policy="once"``: shapes are declared once, for the first (largest) chunk, and
-  every chunk gets those buffers. A smaller last chunk of the same backend takes their leading
-  rows, which is why this worked for years. But a dispatching experts class that picks another
-  backend for the last chunk needs another layout, and the buffers no longer fit. The guard
-  (``guard=True``) names the mismatch; ``guard=False`` lets the raw failure happen, as users
-  met it.
+- ``workspace_policy="once"``: shapes declared once, for the first chunk, serve every chunk.
 - ``metadata_policy="whole_batch"``: every chunk receives the whole batch's tokens per expert.
-  A consumer that sizes or masks by these counts then works on the wrong numbers.
+
+``guard=True`` (the default) adds moekit's own checks, which upstream did not have: a chunk whose
+workspace layout or output slice differs from what its backend declared raises
+WorkspaceShapeError before the experts run, and experts that consume ``tokens_meta`` check that
+it describes their rows. ``guard=False`` runs as upstream did, so the failures are upstream's.
+
+Batched-format experts take no chunks (their slabs are per expert, not per token): one call.
 """
 
 from __future__ import annotations
@@ -32,24 +35,21 @@ from __future__ import annotations
 import torch
 
 from moekit.chunking import ChunkRange, chunk_ranges, slice_rows, slice_scales, validate_chunk_size
-from moekit.errors import FormatMismatchError, InvalidInputError, WorkspaceShapeError
+from moekit.errors import FormatMismatchError, InvalidInputError, QuantizationError, WorkspaceShapeError
 from moekit.experts.base import Experts
+from moekit.policies import (
+    METADATA_POLICIES,
+    WORKSPACE_POLICIES,
+    DeclaredOnceWorkspaces,
+    PerChunkWorkspaces,
+    check_policy,
+    chunk_metadata,
+)
 from moekit.prepare_finalize.base import PrepareFinalize
 from moekit.trace import ChunkRecord, Trace
-from moekit.types import (
-    ActivationFormat,
-    ExpertPlacement,
-    ExpertsCall,
-    ExpertTokensMetadata,
-    MoEWeights,
-    Prepared,
-    ProblemSize,
-)
-from moekit.validate import check_expert_map, check_moe_inputs
-from moekit.workspace import WorkspacePool, fits_leading_rows, leading_rows, once_mismatch_message
-
-WORKSPACE_POLICIES = ("per_chunk", "once")
-METADATA_POLICIES = ("per_chunk", "whole_batch")
+from moekit.types import ActivationFormat, ExpertPlacement, ExpertsCall, MoEWeights, Prepared, ProblemSize
+from moekit.validate import check_id_range, check_moe_inputs, check_placement
+from moekit.workspace import WorkspacePool
 
 
 class ModularKernel:
@@ -64,11 +64,13 @@ class ModularKernel:
             weights of the experts it touches), and upstream removed it in 2026 (#34086).
         workspace_policy: ``"per_chunk"`` (the fix) or ``"once"`` (pre-fix, for teaching).
         metadata_policy: ``"per_chunk"`` (the fix) or ``"whole_batch"`` (pre-fix).
-        guard: under ``workspace_policy="once"``, turn a mismatch into WorkspaceShapeError
-            before the experts run. False lets the raw failure through.
+        guard: moekit's stricter checks (see the module docstring); False replays upstream.
         trace_counts: record tokens per expert for each chunk (one small count-kernel launch per
-            chunk, no host sync).
+            chunk, shared with the per-chunk metadata; no host sync).
         pool: a :class:`WorkspacePool` to share between layers; by default each kernel has its own.
+
+    A kernel (and a pool) serves one forward at a time: concurrent calls from several threads
+    take turns on the pool's lock, so they are correct, not parallel.
     """
 
     def __init__(
@@ -94,15 +96,16 @@ class ModularKernel:
                 f"but {experts.name} consumes {experts.activation_format.value} ones; pair Standard with "
                 "Standard (NoEP/All2All + Triton/DeepGemm) and Batched with Batched"
             )
-        if workspace_policy not in WORKSPACE_POLICIES:
-            raise InvalidInputError(f"workspace_policy must be one of {WORKSPACE_POLICIES}, got {workspace_policy!r}")
-        if metadata_policy not in METADATA_POLICIES:
-            raise InvalidInputError(f"metadata_policy must be one of {METADATA_POLICIES}, got {metadata_policy!r}")
+        if pool is not None and not isinstance(pool, WorkspacePool):
+            raise InvalidInputError(f"pool must be a moekit.workspace.WorkspacePool or None, got {type(pool).__name__}")
+        for name, value in (("guard", guard), ("trace_counts", trace_counts)):
+            if not isinstance(value, bool):
+                raise InvalidInputError(f"{name} must be a bool, got {value!r}")
         self.prepare_finalize = prepare_finalize
         self.experts = experts
         self.chunk_size = validate_chunk_size(chunk_size)
-        self.workspace_policy = workspace_policy
-        self.metadata_policy = metadata_policy
+        self.workspace_policy = check_policy(workspace_policy, WORKSPACE_POLICIES, "workspace_policy")
+        self.metadata_policy = check_policy(metadata_policy, METADATA_POLICIES, "metadata_policy")
         self.guard = guard
         self.trace_counts = trace_counts
         self.pool = pool
@@ -138,148 +141,157 @@ class ModularKernel:
             expert_map: int ``[E_global]``, global -> local id, -1 for experts on other ranks.
             global_num_experts: E_global (defaults to the map's length, else E_local).
             w1_scale, w2_scale: 128x128 block scales for fp8 weights.
-            a2_scale: optional static scale for requantizing the intermediate activations:
-                per-tensor (one element) or per-token ``[M, ...]`` (sliced per chunk).
+            a2_scale: optional static scale for requantizing the intermediate activations to fp8:
+                per-tensor (one element) or per-token ``[M]`` (sliced per chunk).
 
         Raises:
-            InvalidInputError, InvalidIdsError, QuantizationError: bad arguments.
+            InvalidInputError, InvalidIdsError, QuantizationError: bad arguments (checked here,
+                before anything is written, whatever M is).
             WorkspaceShapeError: an experts class declared buffers that do not fit a chunk.
         """
-        check_moe_inputs(hidden, w1, w2, topk_weights, topk_ids)
-        weights = MoEWeights(w1, w2, w1_scale, w2_scale)
-        weights.check(self.experts.quant)
-        placement = self._placement(w1, expert_map, global_num_experts, hidden.device)
-        if expert_map is not None and not self.experts.supports_expert_map:
-            raise InvalidInputError(f"{self.experts.name} does not support an expert_map")
+        weights, placement, problem = self._check(hidden, w1, w2, topk_weights, topk_ids, expert_map,
+                                                  global_num_experts, w1_scale, w2_scale, a2_scale)  # fmt: skip
         M, K = hidden.shape
         trace = Trace(M, self.chunk_size, self.experts.name, self.workspace_policy, self.metadata_policy)
         self.last_trace = trace
         if M == 0 and not self.prepare_finalize.collective:  # upstream divided by zero here (#26523)
             return hidden.new_empty((0, K))
-
-        prepared = self.prepare_finalize.prepare(
-            hidden, topk_weights, topk_ids, quant=self.experts.quant, placement=placement
-        )
-        out_dtype = self.experts.compute_dtype(hidden.dtype)
-        fused_out = self._run_experts(prepared, weights, placement, out_dtype, a2_scale, trace)
-        output = torch.empty((M, K), dtype=hidden.dtype, device=hidden.device)
-        return self.prepare_finalize.finalize(fused_out, prepared, output=output)
+        pool = self._pool(hidden.device)
+        with pool.lock:
+            prepared = self.prepare_finalize.prepare(
+                hidden, topk_weights, topk_ids, quant=self.experts.quant, placement=placement
+            )
+            out_dtype = self.experts.compute_dtype(hidden.dtype)
+            if self.experts.activation_format is ActivationFormat.BATCHED:
+                fused_out = self._run_batched(prepared, weights, placement, out_dtype, pool, trace)
+            else:
+                fused_out = self._run_chunks(prepared, weights, placement, out_dtype, a2_scale, pool, trace)
+            output = torch.empty((M, K), dtype=hidden.dtype, device=hidden.device)
+            return self.prepare_finalize.finalize(fused_out, prepared, output=output)
 
     __call__ = forward
 
     # ----------------------------------------------------------------------------------------
-    @staticmethod
-    def _placement(w1, expert_map, global_num_experts, device) -> ExpertPlacement:
-        E_local = w1.shape[0]
-        check_expert_map(expert_map, num_local_experts=E_local, device=device)
-        E_global = global_num_experts
-        if E_global is None:
-            E_global = expert_map.numel() if expert_map is not None else E_local
-        if expert_map is not None and expert_map.numel() != E_global:
-            raise InvalidInputError(
-                f"expert_map has {expert_map.numel()} entries but global_num_experts={E_global}"
+    def _check(self, hidden, w1, w2, topk_weights, topk_ids, expert_map, global_num_experts,
+               w1_scale, w2_scale, a2_scale) -> tuple[MoEWeights, ExpertPlacement, ProblemSize]:  # fmt: skip
+        """Every argument, once, before anything runs (also when M is 0)."""
+        check_moe_inputs(hidden, w1, w2, topk_weights, topk_ids)
+        weights = MoEWeights(w1, w2, w1_scale, w2_scale)
+        placement = check_placement(w1, expert_map, global_num_experts, hidden.device)
+        if expert_map is not None and not self.experts.supports_expert_map:
+            raise InvalidInputError(f"{self.experts.name} does not support an expert_map")
+        check_id_range(topk_ids, placement.global_num_experts)
+        E, N, K = w1.shape
+        M, topk = topk_ids.shape
+        problem = ProblemSize(M, N, K, topk, placement.global_num_experts, placement.num_local_experts)
+        self.experts.check(problem, weights, a2_scale=a2_scale)
+        if a2_scale is not None and a2_scale.numel() > 1 and self.prepare_finalize.dispatches:
+            raise QuantizationError(
+                f"a per-token a2_scale ({tuple(a2_scale.shape)}) belongs to the caller's tokens, but "
+                f"{self.prepare_finalize.name} hands the experts other rows (dispatched); pass a per-tensor "
+                "scale (one element)"
             )
-        if E_global < E_local:
-            raise InvalidInputError(f"global_num_experts={E_global} < local experts {E_local}")
-        return ExpertPlacement(E_global, E_local, expert_map)
+        return weights, placement, problem
 
     def _pool(self, device: torch.device) -> WorkspacePool:
         if self.pool is None:
             self.pool = WorkspacePool(device)
         return self.pool
 
-    def _problem(self, prepared: Prepared, weights: MoEWeights, placement: ExpertPlacement) -> ProblemSize:
-        E, N, K = weights.w1.shape
-        a1q = prepared.a1q
+    def _rows_problem(self, prepared: Prepared, weights: MoEWeights, placement: ExpertPlacement) -> ProblemSize:
+        """The sizes the experts see: the rows after prepare (received rows, or slab height)."""
+        _, N, K = weights.w1.shape
         if self.experts.activation_format is ActivationFormat.BATCHED:
-            M = a1q.shape[1]  # max tokens per expert
-            topk = prepared.topk_ids.shape[1] if prepared.topk_ids.dim() == 2 else 1
+            M, topk = prepared.a1q.shape[1], prepared.topk_ids.shape[1]  # max tokens per expert
         else:
-            M, topk = a1q.shape[0], prepared.topk_ids.shape[1]
-        return ProblemSize(M, N, K, topk, placement.num_global_experts, placement.num_local_experts)
+            M, topk = prepared.a1q.shape[0], prepared.topk_ids.shape[1]
+        return ProblemSize(M, N, K, topk, placement.global_num_experts, placement.num_local_experts)
 
-    def _ranges(self, M: int) -> list[ChunkRange]:
-        chunkable = self.experts.supports_chunking and self.experts.activation_format is ActivationFormat.STANDARD
-        if not chunkable or M == 0:
-            return [ChunkRange(0, 0, M)] if M else []
-        return chunk_ranges(M, self.chunk_size)
+    def _count(self, ids: torch.Tensor, placement: ExpertPlacement) -> torch.Tensor:
+        from moekit.kernels.count import count_expert_num_tokens
 
-    def _run_experts(self, prepared, weights, placement, out_dtype, a2_scale, trace) -> torch.Tensor:
-        problem = self._problem(prepared, weights, placement)
+        return count_expert_num_tokens(ids, placement.num_local_experts, placement.expert_map)
+
+    def _run_chunks(self, prepared, weights, placement, out_dtype, a2_scale, pool, trace) -> torch.Tensor:
+        experts, act = self.experts, prepared.a1q.dtype
+        problem = self._rows_problem(prepared, weights, placement)
         trace.expert_rows = problem.M
-        experts, device = self.experts, prepared.a1q.device
-        act_dtype = prepared.a1q.dtype
-        whole = experts.workspace_shapes(problem, act_dtype=act_dtype, tokens_meta=prepared.tokens_meta)
-        fused_out = torch.empty(whole.output, dtype=out_dtype, device=device)
-        ranges = self._ranges(problem.M)
-        if not ranges:  # this rank received no tokens
-            return fused_out
-        once = None
-        if self.workspace_policy == "once":  # pre-fix: declared once, at the first chunk's M
-            once = experts.workspace_shapes(
-                problem.with_M(ranges[0].size), act_dtype=act_dtype, tokens_meta=prepared.tokens_meta
-            )
-        pool = self._pool(device)
+        whole = experts.workspace_shapes(problem, act_dtype=act, tokens_meta=prepared.tokens_meta)
+        fused_out = torch.empty(whole.output, dtype=out_dtype, device=prepared.a1q.device)
+        ranges = chunk_ranges(problem.M, self.chunk_size if experts.supports_chunking else None)
+        workspaces = self._workspace_policy(problem, ranges, act, prepared)
         single = len(ranges) == 1
         for r in ranges:
-            meta = prepared.tokens_meta if single else self._chunk_meta(prepared, placement, r)
             sub = problem.with_M(r.size)
-            own = experts.workspace_shapes(sub, act_dtype=act_dtype, tokens_meta=meta)
-            shapes = own if once is None else once
-            views = pool.take(shapes)
-            if once is not None and fits_leading_rows(own, once):
-                # What upstream did before the fix, and why it usually worked: a smaller chunk of
-                # the same backend takes the leading rows of the buffers declared once.
-                views = leading_rows(views, own)
-            elif once is not None and self.guard:
-                raise WorkspaceShapeError(once_mismatch_message(experts, r, once, own, sub))
-            out_slice = fused_out if single else slice_rows(fused_out, r, problem.M)
-            if (once is None or self.guard) and tuple(out_slice.shape) != own.output:
-                raise WorkspaceShapeError(
-                    f"{experts.name} declared output {own.output} for chunk {r.index} (tokens "
-                    f"[{r.start}, {r.end}), backend {experts.backend_for(sub)}), but the whole-batch "
-                    f"output it declared for M={problem.M} ({whole.output}) slices to "
-                    f"{tuple(out_slice.shape)}. Every backend of a dispatching experts class must "
-                    "declare the same output layout, with dim 0 proportional to M."
-                )
+            ids = prepared.topk_ids[r.start : r.end]
+            counts = self._chunk_counts(ids, placement, prepared, single)
+            meta = chunk_metadata(self.metadata_policy, prepared.tokens_meta, counts, single=single)
+            own = experts.workspace_shapes(sub, act_dtype=act, tokens_meta=meta)
+            given = workspaces.buffers_for(own, r, sub)
+            out = slice_rows(fused_out, r, problem.M)
+            if self.guard and tuple(out.shape) != own.output:
+                raise WorkspaceShapeError(self._output_message(r, sub, own, whole, out, problem.M))
+            buffers = pool.take(given)
             call = ExpertsCall(
-                output=out_slice,
-                hidden=prepared.a1q[r.start : r.end] if not single else prepared.a1q,
-                hidden_scale=slice_scales(prepared.a1q_scale, r.start, r.end),
-                topk_ids=prepared.topk_ids[r.start : r.end] if not single else prepared.topk_ids,
-                weights=weights,
-                workspace13=views.workspace13,
-                workspace2=views.workspace2,
-                global_num_experts=placement.num_global_experts,
-                expert_map=placement.expert_map,
-                tokens_meta=meta,
-                a2_scale=slice_scales(a2_scale, r.start, r.end),
-            )
-            backend = experts.apply(call)
-            trace.chunks.append(
-                ChunkRecord(r.index, r.start, r.end, backend, shapes, tuple(out_slice.shape),
-                            self._trace_counts(call, placement, meta))
-            )
+                output=out, hidden=prepared.a1q[r.start : r.end],
+                hidden_scale=slice_scales(prepared.a1q_scale, r.start, r.end), topk_ids=ids, weights=weights,
+                workspace13=buffers.workspace13, workspace2=buffers.workspace2, problem=sub, shapes=own,
+                placement=placement, tokens_meta=meta, a2_scale=slice_scales(a2_scale, r.start, r.end),
+                guard=self.guard,
+            )  # fmt: skip
+            record = ChunkRecord(r.index, r.start, r.end, experts.backend_for(sub), given, tuple(out.shape),
+                                 counts, needed=own, completed=False)  # fmt: skip
+            trace.chunks.append(record)
+            record.backend = experts.apply(call)
+            record.completed = True
         trace.peak_workspace_bytes = pool.peak_bytes
         return fused_out
 
-    def _chunk_meta(self, prepared: Prepared, placement: ExpertPlacement, r: ChunkRange):
+    def _workspace_policy(self, problem, ranges: list[ChunkRange], act, prepared):
+        if self.workspace_policy == "per_chunk" or not ranges:
+            return PerChunkWorkspaces()
+        # The parent commit declared the workspaces once, for M = the chunk size.
+        first = problem.with_M(ranges[0].size)
+        declared = self.experts.workspace_shapes(first, act_dtype=act, tokens_meta=prepared.tokens_meta)
+        return DeclaredOnceWorkspaces(declared, self.experts, self.guard)
+
+    def _chunk_counts(self, ids, placement, prepared: Prepared, single: bool) -> torch.Tensor | None:
+        """This chunk's tokens per local expert, counted at most once: for its metadata and its trace."""
         meta = prepared.tokens_meta
-        if meta is None or self.metadata_policy == "whole_batch":
-            return meta
-        from moekit.kernels.count import count_expert_num_tokens
+        if single and meta is not None:
+            return meta.expert_num_tokens  # one chunk of every row: prepare's counts are its own
+        needs_meta = meta is not None and self.metadata_policy == "per_chunk"
+        if needs_meta or self.trace_counts:
+            return self._count(ids, placement)
+        return None
 
-        counts = count_expert_num_tokens(
-            prepared.topk_ids[r.start : r.end], placement.num_local_experts, placement.expert_map
+    def _output_message(self, r: ChunkRange, sub: ProblemSize, own, whole, out, M: int) -> str:
+        return (
+            f"{self.experts.name} declared output {own.output} for chunk {r.index} (tokens [{r.start}, "
+            f"{r.end}), backend {self.experts.backend_for(sub)}), but the whole-batch output it declared "
+            f"for M={M} ({whole.output}) slices to {tuple(out.shape)}. Every backend of a dispatching experts class "
+            "must declare the same output layout, with dim 0 proportional to M (the second half of the "
+            "PR #20392 fix). (moekit's guard; upstream asserted equal shapes after the fix.)"
         )
-        # The CPU copy is blocking on purpose: consumers size buffers from it (upstream #20903).
-        return ExpertTokensMetadata.from_counts(counts, with_cpu=meta.expert_num_tokens_cpu is not None)
 
-    def _trace_counts(self, call: ExpertsCall, placement: ExpertPlacement, meta):
-        if not self.trace_counts:
-            return None
-        if self.experts.activation_format is ActivationFormat.BATCHED:
-            return meta.expert_num_tokens if meta is not None else None
-        from moekit.kernels.count import count_expert_num_tokens
-
-        return count_expert_num_tokens(call.topk_ids, placement.num_local_experts, placement.expert_map)
+    def _run_batched(self, prepared, weights, placement, out_dtype, pool, trace) -> torch.Tensor:
+        """Batched format: one call over every slab (no token dimension to chunk)."""
+        problem = self._rows_problem(prepared, weights, placement)
+        trace.expert_rows = problem.M
+        meta = prepared.tokens_meta
+        shapes = self.experts.workspace_shapes(problem, act_dtype=prepared.a1q.dtype, tokens_meta=meta)
+        fused_out = torch.empty(shapes.output, dtype=out_dtype, device=prepared.a1q.device)
+        buffers = pool.take(shapes)
+        call = ExpertsCall(
+            output=fused_out, hidden=prepared.a1q, hidden_scale=prepared.a1q_scale, topk_ids=prepared.topk_ids,
+            weights=weights, workspace13=buffers.workspace13, workspace2=buffers.workspace2, problem=problem,
+            shapes=shapes, placement=placement, tokens_meta=meta, guard=self.guard,
+        )  # fmt: skip
+        counts = meta.expert_num_tokens if meta is not None else None
+        record = ChunkRecord(0, 0, problem.M, self.experts.backend_for(problem), shapes, tuple(fused_out.shape),
+                             counts, completed=False)  # fmt: skip
+        trace.chunks.append(record)
+        record.backend = self.experts.apply(call)
+        record.completed = True
+        trace.peak_workspace_bytes = pool.peak_bytes
+        return fused_out

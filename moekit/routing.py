@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from moekit.errors import InvalidInputError
+from moekit.validate import check_positive_int
 
 
 @dataclass
@@ -25,8 +26,9 @@ class Routing:
 
 
 def _check(M: int, E: int, topk: int) -> None:
-    if M < 0 or E <= 0 or topk <= 0:
-        raise InvalidInputError(f"need M >= 0, E > 0, topk > 0; got M={M}, E={E}, topk={topk}")
+    check_positive_int(M, "M", allow_zero=True)
+    check_positive_int(E, "E")
+    check_positive_int(topk, "topk")
     if topk > E:
         raise InvalidInputError(f"topk ({topk}) cannot exceed the number of experts ({E})")
 
@@ -46,6 +48,8 @@ def route(router_logits: torch.Tensor, topk: int, *, renormalize: bool = True) -
         )
     M, E = router_logits.shape
     _check(M, E, topk)
+    if not isinstance(renormalize, bool):
+        raise InvalidInputError(f"renormalize must be a bool, got {renormalize!r}")
     probs = torch.softmax(router_logits.float(), dim=-1)
     weights, ids = torch.topk(probs, topk, dim=-1)
     if renormalize:
@@ -110,16 +114,31 @@ def _to(r: Routing, device) -> Routing:
     return Routing(r.topk_weights.to(device), r.topk_ids.to(device))
 
 
-def contiguous_expert_map(num_global_experts: int, ep_size: int, rank: int, *, device=None) -> torch.Tensor:
+def expert_blocks(global_num_experts: int, ep_size: int) -> list[int]:
+    """How many experts each of ``ep_size`` ranks owns in a contiguous split (vLLM's rule): the
+    first ``E % ep_size`` ranks own one more. ``expert_blocks(8, 3) == [3, 3, 2]``."""
+    check_positive_int(global_num_experts, "global_num_experts")
+    check_positive_int(ep_size, "ep_size")
+    if ep_size > global_num_experts:
+        raise InvalidInputError(f"ep_size={ep_size} ranks need at least one expert each, got E={global_num_experts}")
+    base, extra = divmod(global_num_experts, ep_size)
+    return [base + (r < extra) for r in range(ep_size)]
+
+
+def contiguous_expert_map(global_num_experts: int, ep_size: int, rank: int, *, device=None) -> torch.Tensor:
     """The expert_map of ``rank`` when E is split into ``ep_size`` contiguous blocks.
 
-    Returns int32 ``[E_global]``: local id for this rank's experts, -1 elsewhere.
+    The blocks follow :func:`expert_blocks` (equal when ``ep_size`` divides E). Returns int32
+    ``[E_global]``: local id for this rank's experts, -1 elsewhere.
+
+    Raises:
+        InvalidInputError: a size that is not a positive int, more ranks than experts, or a rank
+            outside ``[0, ep_size)``.
     """
-    if ep_size <= 0 or num_global_experts % ep_size:
-        raise InvalidInputError(f"E={num_global_experts} must split evenly over ep_size={ep_size}")
-    if not 0 <= rank < ep_size:
-        raise InvalidInputError(f"rank must be in [0, {ep_size}), got {rank}")
-    E_local = num_global_experts // ep_size
-    emap = torch.full((num_global_experts,), -1, dtype=torch.int32)
-    emap[rank * E_local : (rank + 1) * E_local] = torch.arange(E_local, dtype=torch.int32)
+    sizes = expert_blocks(global_num_experts, ep_size)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < ep_size:
+        raise InvalidInputError(f"rank must be an int in [0, {ep_size}), got {rank!r}")
+    start = sum(sizes[:rank])
+    emap = torch.full((global_num_experts,), -1, dtype=torch.int32)
+    emap[start : start + sizes[rank]] = torch.arange(sizes[rank], dtype=torch.int32)
     return emap if device is None else emap.to(device)

@@ -1,17 +1,34 @@
-"""Helpers shared by the tests and the notebooks.
+"""Helpers shared by the tests, the notebooks and the benchmarks.
 
 - :func:`assert_close` compares with a tolerance chosen by dtype (one table for the project).
 - :func:`expect_raises` is the notebook-friendly ``pytest.raises``: it fails when nothing is
   raised, so a demonstration of a crash cannot silently stop crashing.
+- :func:`make_problem` builds one seeded random MoE layer (weights, routing, activations), fp8
+  block-quantized on request, with its fp32 oracle (:meth:`MoEProblem.reference`).
+- :func:`wall_ms` times a call on the host (a median of a few runs): for the interpreter's scaling
+  in the notebooks, never for GPU speed (use ``triton.testing.do_bench`` there).
+- :func:`experts_call` builds one chunk's :class:`~moekit.types.ExpertsCall` by hand, the way the
+  modular kernel builds it, to call ``Experts.apply`` directly (tests, notebook 01).
 """
 
 from __future__ import annotations
 
 import contextlib
 import re
-from dataclasses import dataclass
+import statistics
+import time
+from dataclasses import dataclass, replace
 
 import torch
+
+from moekit.quant import (
+    FP8,
+    dequantize_fp8_block,
+    dequantize_fp8_per_token_group,
+    quantize_fp8_block,
+    quantize_fp8_per_token_group,
+)
+from moekit.types import ExpertPlacement, ExpertsCall, ExpertTokensMetadata, MoEWeights, ProblemSize, QuantScheme
 
 # (atol, rtol) against the fp32 reference; atol is relative to the largest |expected|.
 # fp8 is compared on dequantized inputs. e4m3 keeps 3 mantissa bits (2**-4 relative rounding),
@@ -80,3 +97,179 @@ def expect_raises(kind: type[BaseException] | tuple[type[BaseException], ...], m
         return
     names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
     raise AssertionError(f"expected {names} to be raised, but the block finished normally")
+
+
+@dataclass
+class MoEProblem:
+    """One MoE layer's inputs (see :func:`make_problem`).
+
+    ``problem.inputs()`` and ``problem.options()`` are what ``ModularKernel.forward`` (or
+    ``moekit.fused_moe``) takes: ``kernel(*p.inputs(), **p.options())``.
+    """
+
+    hidden: torch.Tensor  # [M, K]
+    w1: torch.Tensor  # [E, N, K], fp8 for QuantScheme.FP8_BLOCK
+    w2: torch.Tensor  # [E, K, N/2]
+    topk_weights: torch.Tensor  # [M, topk] fp32
+    topk_ids: torch.Tensor  # [M, topk] int32, global ids, -1 = empty slot
+    quant: QuantScheme
+    w1_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+    expert_map: torch.Tensor | None = None
+    global_num_experts: int | None = None
+
+    @property
+    def M(self) -> int:
+        return self.hidden.shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype that sets the tolerance: fp8 for fp8 block, else the activations'."""
+        return FP8 if self.quant is QuantScheme.FP8_BLOCK else self.hidden.dtype
+
+    def inputs(self) -> tuple[torch.Tensor, ...]:
+        return self.hidden, self.w1, self.w2, self.topk_weights, self.topk_ids
+
+    def options(self) -> dict:
+        opts = {"expert_map": self.expert_map, "global_num_experts": self.global_num_experts}
+        if self.quant is QuantScheme.FP8_BLOCK:
+            opts.update(w1_scale=self.w1_scale, w2_scale=self.w2_scale)
+        return opts
+
+    def float_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 ``w1``, ``w2`` (dequantized for fp8)."""
+        if self.quant is QuantScheme.FP8_BLOCK:
+            return dequantize_fp8_block(self.w1, self.w1_scale), dequantize_fp8_block(self.w2, self.w2_scale)
+        return self.w1.float(), self.w2.float()
+
+    def reference(self, *, apply_weights: bool = True, rows: slice | None = None) -> torch.Tensor:
+        """The fp32 oracle (:func:`moekit.reference.moe_reference`) on what the experts see:
+        for fp8, the activations quantized as prepare quantizes them and the dequantized weights.
+        ``rows`` restricts it to some tokens."""
+        from moekit.reference import moe_reference
+
+        rows = rows or slice(None)
+        hidden = self.hidden[rows]
+        if self.quant is QuantScheme.FP8_BLOCK:
+            hidden = dequantize_fp8_per_token_group(*quantize_fp8_per_token_group(hidden))
+        w1, w2 = self.float_weights()
+        return moe_reference(hidden, w1, w2, self.topk_weights[rows], self.topk_ids[rows],
+                             expert_map=self.expert_map, apply_weights=apply_weights)  # fmt: skip
+
+    def check(self, out: torch.Tensor) -> None:
+        """Assert ``out`` matches :meth:`reference` within the tolerance of :attr:`dtype`."""
+        assert_close(out, self.reference(), dtype=self.dtype)
+
+    def shard(self, rank: int, world_size: int) -> MoEProblem:
+        """Rank ``rank``'s share under expert parallelism: its contiguous block of experts (see
+        :func:`moekit.routing.contiguous_expert_map`), the map, and E_global; same tokens."""
+        from moekit.routing import contiguous_expert_map
+
+        E = self.w1.shape[0]
+        emap = contiguous_expert_map(E, world_size, rank, device=self.w1.device)
+        mine = (emap >= 0).nonzero().flatten()
+        scales = {}
+        if self.quant is QuantScheme.FP8_BLOCK:
+            scales = {"w1_scale": self.w1_scale[mine], "w2_scale": self.w2_scale[mine]}
+        return replace(self, w1=self.w1[mine], w2=self.w2[mine], expert_map=emap, global_num_experts=E, **scales)
+
+
+def make_problem(
+    M: int,
+    *,
+    E: int = 8,
+    topk: int = 2,
+    K: int = 128,
+    N: int = 256,
+    dtype: torch.dtype = torch.bfloat16,
+    quant: QuantScheme = QuantScheme.NONE,
+    skew: float = 0.0,
+    empty_every: int | None = None,
+    seed: int = 0,
+    device=None,
+) -> MoEProblem:
+    """A seeded random MoE layer: fresh ``randn`` activations (never zeros), weights scaled by
+    ``1/sqrt(fan_in)`` so values stay O(1) through both GEMMs, and router decisions from
+    :func:`moekit.routing.skewed_router` (``skew=0`` is uniform).
+
+    Args:
+        M, E, topk, K, N: the letters of :mod:`moekit.types` (N = w1 rows = 2 x intermediate).
+        dtype: the activations' dtype, and the weights' when unquantized.
+        quant: ``QuantScheme.FP8_BLOCK`` quantizes the weights to fp8 with 128x128 block scales
+            (then K and N/2 should be multiples of 128).
+        empty_every: every n-th token's last slot becomes -1 (an empty slot).
+        seed: everything is drawn from generators seeded with it, on the CPU, then moved.
+        device: default :func:`moekit.device.get_device`.
+    """
+    from moekit.device import get_device
+    from moekit.routing import skewed_router
+
+    device = get_device() if device is None else torch.device(device)
+    g = torch.Generator(device).manual_seed(seed)
+    hidden = torch.randn(M, K, generator=g, device=device).to(dtype)
+    fp8 = quant is QuantScheme.FP8_BLOCK
+    w1, s1 = _random_weights(E, N, K, dtype=dtype, fp8=fp8, generator=g, device=device)
+    w2, s2 = _random_weights(E, K, N // 2, dtype=dtype, fp8=fp8, generator=g, device=device)
+    weights, ids = skewed_router(M, E, topk, skew=skew, seed=seed + 1, device="cpu")
+    if empty_every and M:
+        ids[::empty_every, -1] = -1
+    return MoEProblem(hidden, w1, w2, weights.to(device), ids.contiguous().to(device), quant, s1, s2)
+
+
+def _random_weights(E, R, C, *, dtype, fp8, generator, device, block: int = 16):
+    """``randn(E, R, C) / sqrt(C)``, made (and fp8-quantized) a block of experts at a time, so a
+    DeepSeek-V3-sized layer never needs an fp32 copy of all its experts."""
+    w = torch.empty(E, R, C, dtype=FP8 if fp8 else dtype, device=device)
+    scale = torch.empty(E, -(-R // 128), -(-C // 128), device=device) if fp8 else None
+    for e0 in range(0, E, block):
+        part = torch.randn(min(block, E - e0), R, C, generator=generator, device=device) * C**-0.5
+        if fp8:
+            w[e0 : e0 + block], scale[e0 : e0 + block] = quantize_fp8_block(part)
+        else:
+            w[e0 : e0 + block] = part
+    return w, scale
+
+
+def experts_call(
+    experts,
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    weights: MoEWeights,
+    *,
+    hidden_scale: torch.Tensor | None = None,
+    placement: ExpertPlacement | None = None,
+    tokens_meta: ExpertTokensMetadata | None = None,
+    a2_scale: torch.Tensor | None = None,
+    fill: float | None = None,
+    pool=None,
+) -> ExpertsCall:
+    """One chunk's call as ``ModularKernel`` builds it: sizes from the tensors, the shapes
+    ``experts`` declares for them, buffers from ``pool`` (a fresh one by default) and an output
+    of the declared shape. ``fill`` pre-fills workspaces and output (NaN: a canary that shows any
+    element the experts forgot to write). ``hidden`` is what prepare hands over (fp8 for fp8
+    experts, with ``hidden_scale``)."""
+    from moekit.workspace import WorkspacePool
+
+    E_local, N, K = weights.w1.shape
+    placement = placement or ExpertPlacement(E_local, E_local)
+    rows = hidden.shape[1] if hidden.dim() == 3 else hidden.shape[0]  # batched: the slab height
+    problem = ProblemSize(rows, N, K, topk_ids.shape[-1], placement.global_num_experts, E_local)
+    shapes = experts.workspace_shapes(problem, act_dtype=hidden.dtype, tokens_meta=tokens_meta)
+    buffers = (pool or WorkspacePool(hidden.device)).take(shapes)
+    output = torch.empty(shapes.output, dtype=experts.compute_dtype(hidden.dtype), device=hidden.device)
+    if fill is not None:
+        for t in (buffers.workspace13, buffers.workspace2, output):
+            t.fill_(fill)
+    return ExpertsCall(output, hidden, hidden_scale, topk_ids, weights, buffers.workspace13, buffers.workspace2,
+                       problem, shapes, placement, tokens_meta=tokens_meta, a2_scale=a2_scale)  # fmt: skip
+
+
+def wall_ms(fn, *, repeats: int = 3) -> float:
+    """Median wall-clock milliseconds of ``fn()`` over ``repeats`` calls, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3

@@ -13,7 +13,13 @@ from moekit.types import WorkspaceShapes
 class ChunkRecord:
     """One chunk: its token range, the backend that ran, its buffers and its tokens per expert.
 
-    ``counts`` stays on the compute device (no sync); :meth:`Trace.counts_matrix` copies.
+    - ``shapes``: the buffers the chunk was given; ``needed``: what its backend declared for
+      its own M. They differ only under ``workspace_policy="once"`` (bug 1).
+    - ``output_shape``: the chunk's slice of the whole-batch output.
+    - ``counts``: the chunk's own tokens per local expert, on the compute device (no sync;
+      :meth:`Trace.counts_matrix` copies), or None when not recorded.
+    - ``completed``: False when ``apply`` raised on this chunk (the record is kept, so a trace
+      of a failed forward shows how far it got and what the failing chunk was handed).
     """
 
     index: int
@@ -23,6 +29,12 @@ class ChunkRecord:
     shapes: WorkspaceShapes
     output_shape: tuple[int, ...]
     counts: torch.Tensor | None = None
+    needed: WorkspaceShapes | None = None
+    completed: bool = True
+
+    def __post_init__(self):
+        if self.needed is None:
+            self.needed = self.shapes
 
     @property
     def M(self) -> int:
@@ -37,7 +49,7 @@ class ChunkRecord:
             "chunk": self.index,
             "tokens": f"[{self.start}, {self.end})",
             "M": self.M,
-            "backend": self.backend,
+            "backend": self.backend if self.completed else f"{self.backend} (failed)",
             "workspace13": self.shapes.workspace13,
             "workspace2": self.shapes.workspace2,
             "output": self.output_shape,
@@ -72,6 +84,24 @@ class Trace:
 
     def rows(self) -> list[dict]:
         return [c.row() for c in self.chunks]
+
+    def handed_vs_needed(self) -> list[dict]:
+        """One row per chunk: the buffers and output slice it was handed beside what its own
+        backend declared for its M (they differ under ``workspace_policy="once"``: bug 1)."""
+        return [
+            {
+                "chunk": c.index,
+                "M": c.M,
+                "backend": c.backend if c.completed else f"{c.backend} (failed)",
+                "workspace13 handed": c.shapes.workspace13,
+                "workspace13 needed": c.needed.workspace13,
+                "workspace2 handed": c.shapes.workspace2,
+                "workspace2 needed": c.needed.workspace2,
+                "output handed": c.output_shape,
+                "output needed": c.needed.output,
+            }
+            for c in self.chunks
+        ]
 
     def table(self) -> str:
         """A plain-text table, one line per chunk."""

@@ -13,6 +13,7 @@ from enum import Enum
 import torch
 
 from moekit.errors import InvalidInputError, QuantizationError, WorkspaceShapeError
+from moekit.quant import FP8, FP8_GROUP
 
 
 class ActivationFormat(Enum):
@@ -39,9 +40,6 @@ class QuantScheme(Enum):
     FP8_BLOCK = "fp8_block"
 
 
-FP8_BLOCK = 128  # both the weight block edge and the activation group width
-
-
 def _shape(value, what: str) -> tuple[int, ...]:
     try:
         shape = tuple(int(d) for d in value)
@@ -54,35 +52,40 @@ def _shape(value, what: str) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class ProblemSize:
-    """The sizes one experts call sees (M is the chunk's token count)."""
+    """The sizes one experts call sees: M rows of (token, topk slots) in this chunk.
+
+    ``N`` is w1's row count (2 x intermediate), ``K`` the hidden size. E_global is
+    ``global_num_experts`` (the id space of ``topk_ids``), E_local ``num_local_experts`` (the
+    experts whose weights this rank holds).
+    """
 
     M: int
     N: int
     K: int
     topk: int
-    num_global_experts: int
+    global_num_experts: int
     num_local_experts: int
 
     def __post_init__(self):
-        for name in ("M", "N", "K", "topk", "num_global_experts", "num_local_experts"):
+        for name in ("M", "N", "K", "topk", "global_num_experts", "num_local_experts"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise InvalidInputError(f"ProblemSize.{name} must be an int, got {value!r}")
         if self.M < 0:
             raise InvalidInputError(f"ProblemSize.M must be >= 0, got {self.M}")
-        for name in ("N", "K", "topk", "num_global_experts", "num_local_experts"):
+        for name in ("N", "K", "topk", "global_num_experts", "num_local_experts"):
             if getattr(self, name) <= 0:
                 raise InvalidInputError(f"ProblemSize.{name} must be > 0, got {getattr(self, name)}")
         if self.N % 2:
             raise InvalidInputError(f"N (w1 rows = gate + up) must be even, got N={self.N}")
-        if self.num_local_experts > self.num_global_experts:
+        if self.num_local_experts > self.global_num_experts:
             raise InvalidInputError(
-                f"local experts ({self.num_local_experts}) > global experts ({self.num_global_experts})"
+                f"local experts ({self.num_local_experts}) > global experts ({self.global_num_experts})"
             )
 
     def with_M(self, M: int) -> ProblemSize:
         """The same problem for another token count (a chunk)."""
-        return ProblemSize(M, self.N, self.K, self.topk, self.num_global_experts, self.num_local_experts)
+        return ProblemSize(M, self.N, self.K, self.topk, self.global_num_experts, self.num_local_experts)
 
 
 @dataclass(frozen=True)
@@ -165,11 +168,11 @@ class MoEWeights:
 
     @property
     def quant(self) -> QuantScheme:
-        return QuantScheme.FP8_BLOCK if self.w1.dtype == torch.float8_e4m3fn else QuantScheme.NONE
+        return QuantScheme.FP8_BLOCK if self.w1.dtype == FP8 else QuantScheme.NONE
 
     def check(self, expected: QuantScheme) -> None:
         """Raise QuantizationError unless the weights match ``expected``."""
-        fp8 = torch.float8_e4m3fn
+        fp8 = FP8
         if expected is QuantScheme.FP8_BLOCK:
             if self.w1.dtype != fp8 or self.w2.dtype != fp8:
                 raise QuantizationError(
@@ -179,8 +182,8 @@ class MoEWeights:
             if self.w1_scale is None or self.w2_scale is None:
                 raise QuantizationError("fp8 block experts need w1_scale and w2_scale, got None")
             E, N, K = self.w1.shape
-            want1 = (E, math.ceil(N / FP8_BLOCK), math.ceil(K / FP8_BLOCK))
-            want2 = (E, math.ceil(K / FP8_BLOCK), math.ceil(N // 2 / FP8_BLOCK))
+            want1 = (E, math.ceil(N / FP8_GROUP), math.ceil(K / FP8_GROUP))
+            want2 = (E, math.ceil(K / FP8_GROUP), math.ceil(N // 2 / FP8_GROUP))
             for name, scale, want in (("w1_scale", self.w1_scale, want1), ("w2_scale", self.w2_scale, want2)):
                 if tuple(scale.shape) != want or scale.dtype != torch.float32:
                     raise QuantizationError(
@@ -221,8 +224,20 @@ class Prepared:
 class ExpertsCall:
     """Everything one ``Experts.apply`` call reads and writes (one chunk).
 
-    ``workspace13``/``workspace2`` are handed over already viewed to the shapes the experts
-    declared for this chunk; ``output`` is the chunk's slice of the whole output.
+    The modular kernel has already computed the chunk's sizes (``problem``), the buffers the
+    experts declared for them (``shapes``) and where the experts live (``placement``); ``apply``
+    reads them from here and recomputes none of them.
+
+    - ``output``: the chunk's slice of the whole-batch output (``shapes.output`` when every
+      backend declares the same layout, which the kernel's guard checks);
+    - ``hidden``/``hidden_scale``/``topk_ids``: the chunk's rows, their fp8 group scales, their ids;
+    - ``workspace13``/``workspace2``: flat 1-D buffers at least ``prod(shapes.workspace13)`` and
+      ``prod(shapes.workspace2)`` long; ``apply`` carves its caches out of their first elements
+      (what upstream's ``_resize_cache`` did);
+    - ``tokens_meta``: this chunk's tokens per local expert, or None;
+    - ``a2_scale``: a static scale for the fp8 requantization between the GEMMs, or None;
+    - ``guard``: run moekit's own consistency checks (for example that ``tokens_meta`` describes
+      these rows). False replays what upstream did without them (``ModularKernel(guard=False)``).
     """
 
     output: torch.Tensor
@@ -232,20 +247,26 @@ class ExpertsCall:
     weights: MoEWeights
     workspace13: torch.Tensor
     workspace2: torch.Tensor
-    global_num_experts: int
-    expert_map: torch.Tensor | None = None
+    problem: ProblemSize
+    shapes: WorkspaceShapes
+    placement: ExpertPlacement
     tokens_meta: ExpertTokensMetadata | None = None
     a2_scale: torch.Tensor | None = None
+    guard: bool = True
+
+    @property
+    def expert_map(self) -> torch.Tensor | None:
+        return self.placement.expert_map
 
 
 @dataclass(frozen=True)
 class ExpertPlacement:
     """Which experts live on this rank.
 
-    ``expert_map`` is int ``[num_global_experts]``: global id -> local id, or -1 where the expert
+    ``expert_map`` is int ``[global_num_experts]``: global id -> local id, or -1 where the expert
     lives on another rank. None means every expert is local (global id == local id).
     """
 
-    num_global_experts: int
+    global_num_experts: int
     num_local_experts: int
     expert_map: torch.Tensor | None = None

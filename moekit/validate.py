@@ -1,16 +1,35 @@
-"""Checks at the public boundary. Each raises a named error saying what was expected and what came."""
+"""Checks at the public boundary. Each raises a named error saying what was expected and what came.
+
+The public entry points (``ModularKernel.forward``, ``moekit.fused_moe``,
+``moekit.count_expert_num_tokens``) call these once per call; the layers below them (experts,
+kernel launchers) trust what they are handed.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from moekit.errors import InvalidIdsError, InvalidInputError
+from moekit.quant import FP8
+from moekit.types import ExpertPlacement
 
 _SIGNED_INT = (torch.int8, torch.int16, torch.int32, torch.int64)
+_UNSIGNED_INT = (torch.uint8, torch.uint16, torch.uint32, torch.uint64)
 
 
 def _desc(t: torch.Tensor) -> str:
     return f"{t.dtype} {tuple(t.shape)} on {t.device}"
+
+
+def check_positive_int(
+    value, name: str, *, error: type[Exception] = InvalidInputError, allow_zero: bool = False
+) -> int:
+    """``value`` must be an int (not a bool) > 0 (or >= 0 with ``allow_zero``); returns it."""
+    low = 0 if allow_zero else 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        want = "a non-negative int" if allow_zero else "a positive int"
+        raise error(f"{name} must be {want}, got {value!r}")
+    return value
 
 
 def check_ids(topk_ids: torch.Tensor, *, name: str = "topk_ids", rank: int | None = 2) -> None:
@@ -18,15 +37,14 @@ def check_ids(topk_ids: torch.Tensor, *, name: str = "topk_ids", rank: int | Non
     if not isinstance(topk_ids, torch.Tensor):
         raise InvalidIdsError(f"{name} must be a torch.Tensor, got {type(topk_ids).__name__}")
     if topk_ids.dtype not in _SIGNED_INT:
-        unsigned = (torch.uint8, torch.uint16, torch.uint32, torch.uint64)
-        kind = "unsigned" if topk_ids.dtype in unsigned else "non-integer"
+        kind = "unsigned" if topk_ids.dtype in _UNSIGNED_INT else "non-integer"
         raise InvalidIdsError(
             f"{name} must be a signed integer tensor (int32 or int64; -1 marks an empty slot), "
             f"got {kind} {topk_ids.dtype}"
         )
     if rank is not None and topk_ids.dim() != rank:
-        layout = "[M, topk]" if rank == 2 else "[num_global_experts]" if name == "expert_map" else ""
-        raise InvalidIdsError(f"{name} must be {rank}-D {layout}, got shape {tuple(topk_ids.shape)}".replace(" ,", ","))
+        layout = " [M, topk]" if rank == 2 else " [global_num_experts]" if name == "expert_map" else ""
+        raise InvalidIdsError(f"{name} must be {rank}-D{layout}, got shape {tuple(topk_ids.shape)}")
     if not topk_ids.is_contiguous():
         raise InvalidIdsError(
             f"{name} must be contiguous (got strides {topk_ids.stride()} for shape {tuple(topk_ids.shape)}); "
@@ -34,15 +52,35 @@ def check_ids(topk_ids: torch.Tensor, *, name: str = "topk_ids", rank: int | Non
         )
 
 
-def check_expert_map(expert_map: torch.Tensor | None, *, num_local_experts: int, device: torch.device) -> None:
-    """A map is a 1-D signed-integer tensor with values in [-1, num_local_experts)."""
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    a, b = torch.device(a), torch.device(b)
+    return a == b or (a.type == b.type == "cuda" and (a.index is None or b.index is None))
+
+
+def check_expert_map(expert_map: torch.Tensor | None, *, device: torch.device) -> None:
+    """A map is a contiguous 1-D signed-integer tensor on the ids' device."""
     if expert_map is None:
         return
     check_ids(expert_map, name="expert_map", rank=1)
-    if expert_map.device != torch.device(device) and not (
-        expert_map.device.type == torch.device(device).type == "cuda" and torch.device(device).index is None
-    ):
+    if not _same_device(expert_map.device, device):
         raise InvalidIdsError(f"expert_map is on {expert_map.device}, topk_ids on {device}")
+
+
+def check_id_range(topk_ids: torch.Tensor, global_num_experts: int) -> None:
+    """Ids must be -1 (an empty slot) or in ``[0, global_num_experts)``.
+
+    Checked only where it costs no host sync: ids on the CPU. On a GPU an id outside that range
+    is treated as an empty slot by every kernel (nothing is read out of bounds), so a caller's
+    bug there gives zeros for that slot rather than an error.
+    """
+    if topk_ids.device.type != "cpu" or topk_ids.numel() == 0:
+        return
+    low, high = int(topk_ids.min()), int(topk_ids.max())
+    if low < -1 or high >= global_num_experts:
+        raise InvalidIdsError(
+            f"topk_ids must be -1 (empty slot) or in [0, global_num_experts={global_num_experts}), "
+            f"got values in [{low}, {high}]"
+        )
 
 
 def check_float(t: torch.Tensor, name: str, *, dims: int, allow_fp8: bool = False) -> None:
@@ -50,7 +88,7 @@ def check_float(t: torch.Tensor, name: str, *, dims: int, allow_fp8: bool = Fals
         raise InvalidInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != dims:
         raise InvalidInputError(f"{name} must be {dims}-D, got {_desc(t)}")
-    ok = t.is_floating_point() and (allow_fp8 or t.dtype != torch.float8_e4m3fn)
+    ok = t.is_floating_point() and (allow_fp8 or t.dtype != FP8)
     if not ok:
         raise InvalidInputError(f"{name} must be a float tensor, got {_desc(t)}")
 
@@ -72,15 +110,41 @@ def check_moe_inputs(
     E, N, K1 = w1.shape
     if K1 != K:
         raise InvalidInputError(f"w1 must be [E, N, K={K}] to match hidden [M, K], got {tuple(w1.shape)}")
-    if N % 2:
-        raise InvalidInputError(f"w1 must have an even N (gate rows then up rows), got N={N}")
+    if N % 2 or N == 0:
+        raise InvalidInputError(f"w1 must have an even N > 0 (gate rows then up rows), got N={N}")
+    if E == 0:
+        raise InvalidInputError(f"w1 must hold at least one expert, got {tuple(w1.shape)}")
     if tuple(w2.shape) != (E, K, N // 2):
         raise InvalidInputError(f"w2 must be [E, K, N/2] = {(E, K, N // 2)}, got {tuple(w2.shape)}")
-    if topk_ids.shape[0] != M or topk_weights.shape != topk_ids.shape:
+    if topk_ids.shape[0] != M or topk_weights.shape != topk_ids.shape or topk_ids.shape[1] == 0:
         raise InvalidInputError(
-            f"topk_ids and topk_weights must both be [M={M}, topk], got {tuple(topk_ids.shape)} "
+            f"topk_ids and topk_weights must both be [M={M}, topk > 0], got {tuple(topk_ids.shape)} "
             f"and {tuple(topk_weights.shape)}"
         )
     devices = {t.device.type for t in (hidden, w1, w2, topk_weights, topk_ids)}
     if len(devices) != 1:
         raise InvalidInputError(f"all tensors must be on one device, got {sorted(devices)}")
+    if w1.dtype != FP8 and w1.dtype != hidden.dtype:
+        raise InvalidInputError(
+            f"unquantized weights must have hidden's dtype ({hidden.dtype}), got w1 {w1.dtype}; "
+            "fp8 weights (float8_e4m3fn) are the only other choice"
+        )
+    if w2.dtype != w1.dtype:
+        raise InvalidInputError(f"w1 and w2 must share a dtype, got {w1.dtype} and {w2.dtype}")
+
+
+def check_placement(
+    w1: torch.Tensor, expert_map: torch.Tensor | None, global_num_experts, device: torch.device
+) -> ExpertPlacement:
+    """Which experts this call holds: E_local from w1, E_global from the argument or the map."""
+    E_local = w1.shape[0]
+    check_expert_map(expert_map, device=device)
+    E_global = global_num_experts
+    if E_global is None:
+        E_global = expert_map.numel() if expert_map is not None else E_local
+    check_positive_int(E_global, "global_num_experts")
+    if expert_map is not None and expert_map.numel() != E_global:
+        raise InvalidInputError(f"expert_map has {expert_map.numel()} entries but global_num_experts={E_global}")
+    if E_global < E_local:
+        raise InvalidInputError(f"global_num_experts={E_global} < local experts {E_local} (w1 holds {E_local})")
+    return ExpertPlacement(E_global, E_local, expert_map)

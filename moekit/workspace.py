@@ -1,14 +1,22 @@
-"""Workspace memory: one growable pool per device, reused by every chunk and every layer.
+"""Workspace memory: one growable pool, reused by every chunk and every layer that shares it.
 
-``take(shapes)`` returns workspace13 and workspace2 viewed to the declared shapes. The pool
-grows only when a request does not fit (counted in ``grows``), so after the first, largest
-chunk no chunk allocates. ``peak_bytes`` is the most it ever held: it scales with the chunk
-size C, not with M.
+``take(shapes)`` returns workspace13 and workspace2 as flat 1-D buffers of the declared dtype,
+``prod(shape)`` elements each, carved from one byte buffer; the experts carve their caches out
+of their first elements. The pool grows only when a request does not fit (counted in
+``grows``), so after the first, largest chunk no chunk allocates. ``peak_bytes`` is the most it
+was ever asked for: it scales with the chunk size C, not with M.
+
+A pool serves one forward at a time. ``ModularKernel`` holds :attr:`WorkspacePool.lock` for
+the whole experts pass, so two threads that share a kernel (or a pool) take turns instead of
+writing into each other's buffers. On a GPU the buffer may still be in use by kernels queued on
+another stream, so a take from a different stream first makes the current stream wait for the
+previous one.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -23,47 +31,51 @@ def _round_up(x: int, m: int) -> int:
 
 
 @dataclass
-class WorkspaceViews:
-    """The two workspaces of one chunk, already viewed to their declared shapes."""
+class WorkspaceBuffers:
+    """The two flat workspaces of one chunk (1-D, the declared dtype, at least the declared sizes)."""
 
     workspace13: torch.Tensor
     workspace2: torch.Tensor
 
 
 class WorkspacePool:
-    """A byte buffer that grows on demand and hands out typed views of it."""
+    """A byte buffer that grows on demand and hands out typed flat buffers of it."""
 
     def __init__(self, device: torch.device | str):
         self.device = torch.device(device)
         self._buffer = torch.empty(0, dtype=torch.uint8, device=self.device)
+        self._stream = None
+        self.lock = threading.RLock()
         self.grows = 0
         self.requests = 0
         self.peak_bytes = 0
 
-    @property
-    def capacity_bytes(self) -> int:
-        return self._buffer.numel()
-
-    def take(self, shapes: WorkspaceShapes) -> WorkspaceViews:
-        """Views of workspace13 and workspace2 for ``shapes``; grows the pool if needed."""
+    def take(self, shapes: WorkspaceShapes) -> WorkspaceBuffers:
+        """Flat workspace13 and workspace2 for ``shapes``; grows the pool if needed."""
         item = shapes.itemsize
-        n13 = math.prod(shapes.workspace13) * item
-        off2 = _round_up(n13, _ALIGN)
-        n2 = math.prod(shapes.workspace2) * item
-        need = off2 + n2
+        n13, n2 = math.prod(shapes.workspace13), math.prod(shapes.workspace2)
+        off2 = _round_up(n13 * item, _ALIGN)
+        need = off2 + n2 * item
         self.requests += 1
         self.peak_bytes = max(self.peak_bytes, need)
+        self._follow_stream()
         if need > self._buffer.numel():
             # Drop the old buffer first so the peak is the new size, not old + new.
             self._buffer = torch.empty(0, dtype=torch.uint8, device=self.device)
             self._buffer = torch.empty(need, dtype=torch.uint8, device=self.device)
             self.grows += 1
-        ws13 = self._buffer[:n13].view(shapes.dtype).view(shapes.workspace13)
-        ws2 = self._buffer[off2 : off2 + n2].view(shapes.dtype).view(shapes.workspace2)
-        return WorkspaceViews(ws13, ws2)
+        raw = self._buffer
+        ws13 = raw[: n13 * item].view(shapes.dtype)
+        ws2 = raw[off2 : off2 + n2 * item].view(shapes.dtype)
+        return WorkspaceBuffers(ws13, ws2)
 
-    def reset_stats(self) -> None:
-        self.grows = self.requests = self.peak_bytes = 0
+    def _follow_stream(self) -> None:
+        if self.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            return
+        stream = torch.cuda.current_stream(self.device)
+        if self._stream is not None and self._stream != stream:
+            stream.wait_stream(self._stream)
+        self._stream = stream
 
     def release(self) -> None:
         """Free the memory (the next take allocates again)."""
@@ -71,38 +83,13 @@ class WorkspacePool:
 
 
 _POOLS: dict[str, WorkspacePool] = {}
+_POOLS_LOCK = threading.Lock()
 
 
 def shared_pool(device: torch.device | str) -> WorkspacePool:
-    """The process-wide pool of ``device``, shared by all modular kernels (layers)."""
+    """The process-wide pool of ``device``, shared by the kernels that ask for it (layers)."""
     key = str(torch.device(device))
-    if key not in _POOLS:
-        _POOLS[key] = WorkspacePool(device)
-    return _POOLS[key]
-
-
-# The pre-fix policy (workspace_policy='once'): buffers declared once, for the first chunk.
-def fits_leading_rows(own: WorkspaceShapes, once: WorkspaceShapes) -> bool:
-    """Whether ``own`` is a leading-rows slice of ``once`` (same layout and dtype, no more rows)."""
-    if own.dtype != once.dtype:
-        return False
-    pairs = ((own.workspace13, once.workspace13), (own.workspace2, once.workspace2))
-    return all(len(a) == len(b) and (not a or (a[1:] == b[1:] and a[0] <= b[0])) for a, b in pairs)
-
-
-def leading_rows(views: WorkspaceViews, own: WorkspaceShapes) -> WorkspaceViews:
-    """The first rows of each workspace, as many as ``own`` declares (upstream's prefix views)."""
-    return WorkspaceViews(views.workspace13[: own.workspace13[0]], views.workspace2[: own.workspace2[0]])
-
-
-def once_mismatch_message(experts, r, once: WorkspaceShapes, own: WorkspaceShapes, sub) -> str:
-    """What the guard says when a chunk's own shapes do not fit the ones declared once."""
-    return (
-        f"workspace_policy='once': {experts.name} declared its workspaces once, for the first chunk, "
-        f"as workspace13={once.workspace13}, workspace2={once.workspace2}, output={once.output} "
-        f"({once.dtype}). Chunk {r.index} (tokens [{r.start}, {r.end}), M={sub.M}) runs backend "
-        f"'{experts.backend_for(sub)}', which needs workspace13={own.workspace13}, "
-        f"workspace2={own.workspace2}, output={own.output}. This is bug 1 of vLLM PR #20392: "
-        "a dispatching experts class may change backend between chunks, so workspace shapes "
-        "must be computed per chunk (workspace_policy='per_chunk')."
-    )
+    with _POOLS_LOCK:
+        if key not in _POOLS:
+            _POOLS[key] = WorkspacePool(device)
+        return _POOLS[key]

@@ -16,7 +16,7 @@ from moekit.errors import (
     MoekitError,
     WorkspaceShapeError,
 )
-from moekit.experts.base import Experts, view_workspace
+from moekit.experts.base import Experts, carve
 from moekit.modular_kernel import ModularKernel
 from moekit.prepare_finalize import NoEPPrepareFinalize
 from moekit.reference import count_reference, local_expert_ids, moe_reference
@@ -34,6 +34,9 @@ class SwitchingTorchExperts(Experts):
         self.supports_chunking = chunking
         self.calls = []
 
+    def check(self, problem, weights, *, a2_scale=None):
+        weights.check(self.quant)  # a double: it takes any a2_scale, to see how chunks slice it
+
     def backend_for(self, problem):
         return "big" if self.switch is not None and problem.M >= self.switch else "small"
 
@@ -46,19 +49,17 @@ class SwitchingTorchExperts(Experts):
         return WorkspaceShapes((M, topk, N), (M * topk, N // 2), (M, topk, K), act_dtype)
 
     def apply(self, call):
-        w1 = call.weights.w1
-        E, N, K = w1.shape
-        M, topk = call.topk_ids.shape
-        problem = moekit.ProblemSize(M, N, K, topk, call.global_num_experts, E)
-        shapes = self.workspace_shapes(problem, act_dtype=call.hidden.dtype)
-        ws13 = view_workspace(call.workspace13, shapes.workspace13)
-        ws2 = view_workspace(call.workspace2, shapes.workspace2)
+        w1, (M, K, topk) = call.weights.w1, (call.problem.M, call.problem.K, call.problem.topk)
+        ws13 = carve(call.workspace13, call.shapes.workspace13)
+        ws2 = carve(call.workspace2, call.shapes.workspace2)
         self.calls.append(dict(M=M, meta=call.tokens_meta, a2=call.a2_scale, nan=bool(ws13.isnan().any())))
         ws2.zero_()
+        if self.backend_for(call.problem) == "small":
+            call.output.stride(2)  # as a kernel launcher addressing (token, slot, column) would
         per_slot = moe_reference(call.hidden, w1, call.weights.w2, torch.ones(M, topk), call.topk_ids,
                                  expert_map=call.expert_map, apply_weights=False)
         call.output.view(M, topk, K).copy_(per_slot)
-        return self.backend_for(problem)
+        return self.backend_for(call.problem)
 
 
 class BatchedDouble(SwitchingTorchExperts):
@@ -140,13 +141,27 @@ def test_once_policy_guard_names_the_mismatch():
         kernel(x, w1, w2, tw, ti)
 
 
-def test_once_policy_without_guard_fails_raw_like_upstream():
+def test_once_policy_without_guard_runs_small_chunks_in_the_big_buffers():
+    # The parent commit's prefix views: the small backend's caches fit inside the big ones.
     x, w1, w2, tw, ti = problem(M=10)
     kernel = ModularKernel(NoEPPrepareFinalize(), SwitchingTorchExperts(switch=8), chunk_size=8,
                            workspace_policy="once", guard=False)
-    with pytest.raises(RuntimeError, match="invalid for input of size") as info:
+    assert_close(kernel(x, w1, w2, tw, ti), moe_reference(x, w1, w2, tw, ti), dtype=torch.float32)
+    first, second = kernel.last_trace.chunks
+    assert second.shapes == first.shapes != second.needed  # given the big buffers, needed its own
+
+
+def test_once_policy_without_guard_fails_raw_like_upstream():
+    # With the big backend's 2-D output declared for the whole batch, the small chunk gets a 2-D
+    # slice and indexes its third dimension: torch's IndexError, as upstream (41060c6e0).
+    x, w1, w2, tw, ti = problem(M=10)
+    experts = SwitchingTorchExperts(switch=8, legacy_output=True)
+    kernel = ModularKernel(NoEPPrepareFinalize(), experts, chunk_size=8, workspace_policy="once", guard=False)
+    with pytest.raises(IndexError, match="Dimension out of range") as info:
         kernel(x, w1, w2, tw, ti)
     assert not isinstance(info.value, MoekitError)
+    assert [(c.backend, c.completed, c.output_shape) for c in kernel.last_trace] == [
+        ("big", True, (16, 16)), ("small", False, (4, 16))]
 
 
 @pytest.mark.parametrize("M", [16, 13])
@@ -181,8 +196,9 @@ def test_per_token_a2_scale_is_sliced_per_chunk():  # upstream #28728 sliced (e,
 def test_pool_does_not_grow_after_the_first_chunk_and_poison_never_leaks():
     x, w1, w2, tw, ti = problem(M=40)
     pool = WorkspacePool("cpu")
-    pool.take(WorkspaceShapes((4096,), (4096,), (1,), torch.float32)).workspace13.fill_(float("nan"))
-    pool._buffer.view(torch.float32).fill_(float("nan"))
+    poisoned = pool.take(WorkspaceShapes((4096,), (4096,), (1,), torch.float32))
+    poisoned.workspace13.fill_(float("nan"))
+    poisoned.workspace2.fill_(float("nan"))
     experts = SwitchingTorchExperts()
     kernel = ModularKernel(NoEPPrepareFinalize(), experts, chunk_size=8, pool=pool)
     grows = pool.grows

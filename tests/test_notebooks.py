@@ -2,7 +2,7 @@
 
 A failing cell fails the test with papermill's message (cell, error, traceback). Executed copies
 are kept under build/test-notebooks/ as artifacts. The kernel is this interpreter (a kernelspec
-written by ``moekit.walkthrough.use_moekit_kernel``), so it imports this checkout's moekit, and
+written by ``moekit.cli.walkthrough.use_moekit_kernel``), so it imports this checkout's moekit, and
 ``moekit.device`` picks the Triton interpreter on a CPU machine.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from moekit import walkthrough
+from moekit.cli import walkthrough
 
 pm = pytest.importorskip("papermill")
 
@@ -24,6 +24,12 @@ BUDGET_S = 120  # each notebook targets <= 60 s on 2 cores; fail loudly well bef
 
 # Parameters that keep CI small where a notebook's defaults are larger than a test needs.
 SMALL: dict[str, dict] = {}
+# The two bug notebooks compute every check from their plan: they must hold away from the
+# defaults too (a switch in the last chunk, no chunk under the switch, every chunk under it).
+OTHER_PARAMETERS = {
+    "02_workspace_shape_crash": [dict(M=300, C=128), dict(M=127, C=128), dict(M=257, C=64)],
+    "05_stale_token_counts": [dict(M=300, C=128), dict(M=127, C=128), dict(M=257, C=64)],
+}
 
 pytestmark = pytest.mark.notebooks
 
@@ -54,8 +60,21 @@ def test_notebook_runs(path, kernel_name):
     assert seconds < BUDGET_S, f"{path.name} took {seconds:.0f} s (budget {BUDGET_S} s)"
 
 
+@pytest.mark.parametrize(
+    "stem, params",
+    [(stem, params) for stem, sets in OTHER_PARAMETERS.items() for params in sets],
+    ids=lambda v: v if isinstance(v, str) else ",".join(f"{k}={x}" for k, x in v.items()),
+)
+def test_bug_notebooks_hold_at_other_parameters(stem, params, kernel_name):
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    path = ROOT / "notebooks" / f"{stem}.ipynb"
+    pm.execute_notebook(str(path), str(ARTIFACTS / f"{stem}-{'-'.join(map(str, params.values()))}.ipynb"),
+                        parameters=params, kernel_name=kernel_name, cwd=str(path.parent), progress_bar=False,
+                        execution_timeout=BUDGET_S)  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------------------
-# moekit.walkthrough (the runner behind `make walkthrough`), on two tiny notebooks
+# moekit.cli.walkthrough (the runner behind `make walkthrough`), on two tiny notebooks
 
 
 def _notebook(path: Path, params: str, body: str, *, tags=()):
@@ -120,3 +139,11 @@ def test_walkthrough_main(tmp_path, capsys):
     printed = capsys.readouterr()
     assert "02_fails" in printed.out and "FAILED" in printed.out and "boom" in printed.err
     assert "FAILED" in (out / "index.html").read_text()
+    # `--only 01 01:M=7` keeps the override (argparse hands it to --only); a prefix that matches
+    # nothing, or an override for a notebook outside the run, is an error that lists the notebooks.
+    assert walkthrough.main([*args, "--only", "01", "01:M=7"]) == 0
+    assert walkthrough.main([*args, "--only", "99"]) == 2
+    assert walkthrough.main([*args, "--only", "01", "02:M=7"]) == 2
+    printed = capsys.readouterr()
+    assert "no notebook matches '99'" in printed.err and "01_ok, 02_fails" in printed.err
+    assert "names no notebook of this run" in printed.err

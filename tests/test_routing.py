@@ -9,6 +9,7 @@ from moekit.errors import InvalidInputError
 from moekit.routing import (
     Routing,
     contiguous_expert_map,
+    expert_blocks,
     hot_expert_router,
     route,
     skewed_router,
@@ -126,8 +127,15 @@ def test_empty_batch():
         lambda: route(torch.randn(4, 3), 4),
         lambda: route(torch.randn(12), 2),
         lambda: route(torch.randint(0, 3, (4, 8)), 2),
-        lambda: contiguous_expert_map(10, 4, 0),
+        lambda: contiguous_expert_map(3, 4, 0),
         lambda: contiguous_expert_map(8, 0, 0),
+        lambda: contiguous_expert_map(8, 2.0, 0),
+        lambda: contiguous_expert_map(8, 2, 1.0),
+        lambda: route(torch.randn(4, 3), 1.5),
+        lambda: route(torch.randn(4, 3), "2"),
+        lambda: route(torch.randn(4, 3), True),
+        lambda: uniform_router(2.5, 4, 1),
+        lambda: uniform_router(4, 4.0, 1),
         lambda: contiguous_expert_map(8, 2, 2),
         lambda: contiguous_expert_map(8, 2, -1),
     ],
@@ -135,6 +143,16 @@ def test_empty_batch():
 def test_errors(call):
     with pytest.raises(InvalidInputError):
         call()
+
+
+@pytest.mark.parametrize("E, ep, sizes", [(8, 3, [3, 3, 2]), (10, 4, [3, 3, 2, 2]), (5, 5, [1] * 5)])
+def test_uneven_placement_follows_vllm_rule(E, ep, sizes):
+    # The first E % ep ranks own one more expert; every expert is owned by exactly one rank.
+    assert expert_blocks(E, ep) == sizes
+    maps = [contiguous_expert_map(E, ep, r) for r in range(ep)]
+    assert [int((m >= 0).sum()) for m in maps] == sizes
+    assert torch.equal(torch.stack(maps).ge(0).sum(0), torch.ones(E, dtype=torch.long))
+    assert torch.equal(torch.cat([m[m >= 0] for m in maps]), torch.cat([torch.arange(n) for n in sizes]).int())
 
 
 @pytest.mark.parametrize("ep", [1, 2, 4, 8])

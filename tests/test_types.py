@@ -10,7 +10,7 @@ def test_problem_size_validates():
     p = ProblemSize(5, 64, 32, 2, 8, 4)
     assert p.with_M(1).M == 1 and p.with_M(1).N == 64
     for bad in [dict(M=-1), dict(N=63), dict(topk=0), dict(num_local_experts=9), dict(K=2.0)]:
-        args = dict(M=5, N=64, K=32, topk=2, num_global_experts=8, num_local_experts=4) | bad
+        args = dict(M=5, N=64, K=32, topk=2, global_num_experts=8, num_local_experts=4) | bad
         with pytest.raises(InvalidInputError):
             ProblemSize(**args)
 

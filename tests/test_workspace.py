@@ -8,11 +8,11 @@ def shapes(M, dtype=torch.bfloat16):
     return WorkspaceShapes((M, 4, 64), (M * 4, 32), (M, 4, 16), dtype)
 
 
-def test_views_have_declared_shapes_and_dtype():
+def test_buffers_are_flat_with_the_declared_sizes_and_dtype():
     pool = WorkspacePool("cpu")
     v = pool.take(shapes(3))
-    assert v.workspace13.shape == (3, 4, 64) and v.workspace2.shape == (12, 32)
-    assert v.workspace13.dtype == torch.bfloat16
+    assert v.workspace13.shape == (3 * 4 * 64,) and v.workspace2.shape == (12 * 32,)
+    assert v.workspace13.dtype == v.workspace2.dtype == torch.bfloat16
     # the two regions do not overlap
     v.workspace13.fill_(1)
     v.workspace2.fill_(2)
@@ -41,3 +41,9 @@ def test_peak_scales_with_chunk_not_total():
 
 def test_shared_pool_is_per_device():
     assert shared_pool("cpu") is shared_pool(torch.device("cpu"))
+
+
+def test_workspace2_starts_aligned_for_vector_loads():
+    pool = WorkspacePool("cpu")
+    v = pool.take(WorkspaceShapes((3, 5), (7,), (1,), torch.bfloat16))  # 30 bytes of workspace13
+    assert (v.workspace2.data_ptr() - v.workspace13.data_ptr()) % 256 == 0

@@ -4,15 +4,18 @@ An experts class declares, for a problem size, the workspaces it needs
 (:meth:`Experts.workspace_shapes`) and then computes into them (:meth:`Experts.apply`). It knows
 nothing of chunking: the modular kernel calls it once per chunk with that chunk's M.
 
-Contract of ``apply``:
-- ``call.workspace13``/``call.workspace2`` arrive with exactly the shapes that
-  ``workspace_shapes`` declared for this call's M; ``apply`` views them to those shapes and
-  carves its buffers out of them (so a buffer of the wrong shape fails loudly, as it did
-  upstream before PR #20392).
-- ``call.output`` has exactly the declared output shape; ``apply`` writes every element of it
-  (rows of non-local experts get zeros) and writes the result unweighted and unreduced.
-  Batched-format experts are the exception: rows past ``expert_num_tokens[e]`` are padding
-  that finalize never reads, and may stay unwritten.
+Contract:
+
+- :meth:`Experts.check` runs once per forward, at the modular kernel's door, before anything is
+  written: it raises a named error for whatever this class cannot run (shapes, quantization,
+  scales). ``apply`` then trusts its call.
+- ``call.workspace13``/``call.workspace2`` are flat buffers at least as large as the shapes in
+  ``call.shapes``; ``apply`` carves its caches out of their first elements with :func:`carve`
+  (upstream's ``_resize_cache``). A smaller buffer fails there, with WorkspaceShapeError.
+- ``call.output`` is the chunk's slice of the whole-batch output; ``apply`` writes every element
+  of it (rows of non-local experts get zeros), unweighted and unreduced. Batched-format experts
+  are the exception: rows past ``expert_num_tokens[e]`` are padding that finalize never reads,
+  and may stay unwritten.
 - ``apply`` returns the name of the backend that actually ran (for the trace).
 """
 
@@ -24,11 +27,13 @@ from typing import ClassVar
 
 import torch
 
-from moekit.errors import InvalidInputError, WorkspaceShapeError
+from moekit.errors import InvalidInputError, QuantizationError, WorkspaceShapeError
+from moekit.quant import FP8
 from moekit.types import (
     ActivationFormat,
     ExpertsCall,
     ExpertTokensMetadata,
+    MoEWeights,
     ProblemSize,
     QuantScheme,
     WorkspaceShapes,
@@ -36,7 +41,12 @@ from moekit.types import (
 
 
 class Experts(ABC):
-    """Base class of every experts implementation."""
+    """Base class of every experts implementation.
+
+    Class attributes say what the modular kernel may ask: ``supports_chunking`` (the token
+    dimension may be split), ``supports_expert_map`` (expert parallelism), ``uses_tokens_meta``
+    (``apply`` reads the tokens-per-expert counts, so stale ones matter).
+    """
 
     activation_format: ClassVar[ActivationFormat] = ActivationFormat.STANDARD
     supports_chunking: ClassVar[bool] = True
@@ -54,11 +64,32 @@ class Experts(ABC):
 
     def compute_dtype(self, act_dtype: torch.dtype) -> torch.dtype:
         """The dtype of workspaces and outputs: the activation dtype, or bf16 behind fp8."""
-        return torch.bfloat16 if act_dtype == torch.float8_e4m3fn else act_dtype
+        return torch.bfloat16 if act_dtype == FP8 else act_dtype
 
     def backend_for(self, problem: ProblemSize) -> str:
         """The backend ``apply`` will run for this problem (used by the trace before the call)."""
         return "triton"
+
+    def check(self, problem: ProblemSize, weights: MoEWeights, *, a2_scale: torch.Tensor | None = None) -> None:
+        """Raise a named error unless this class can run ``problem`` (the whole batch's M).
+
+        The base checks the weights against ``self.quant`` and the a2 scale (per tensor, or one
+        per token, and only behind fp8). Subclasses add their own shape rules.
+        """
+        weights.check(self.quant)
+        if a2_scale is None:
+            return
+        if self.quant is not QuantScheme.FP8_BLOCK:
+            raise QuantizationError(
+                f"a2_scale requantizes the intermediate activations to fp8; {self.name} is unquantized "
+                "(quant=QuantScheme.NONE)"
+            )
+        if not isinstance(a2_scale, torch.Tensor) or not a2_scale.is_floating_point():
+            raise QuantizationError(f"a2_scale must be a float tensor, got {type(a2_scale).__name__}")
+        if a2_scale.numel() not in (1, problem.M):
+            raise QuantizationError(
+                f"a2_scale must hold 1 (per tensor) or M={problem.M} (per token) scales, got {tuple(a2_scale.shape)}"
+            )
 
     @abstractmethod
     def workspace_shapes(
@@ -78,25 +109,22 @@ class Experts(ABC):
         return f"{self.name}(quant={self.quant.value})"
 
 
-def view_workspace(buffer: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """View a handed-over workspace as ``shape``.
-
-    Deliberately strict, like the upstream code it teaches: a buffer declared for another
-    backend or another M fails here with torch's own error (what users met before the fix).
-    """
-    return buffer.view(shape)
-
-
 def carve(buffer: torch.Tensor, shape: tuple[int, ...], *, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A contiguous ``shape`` view over the first bytes of ``buffer`` (a scratch region).
+    """A contiguous ``shape`` view over the first elements of ``buffer`` (upstream's ``_resize_cache``).
 
     ``dtype`` reinterprets the bytes (for example fp8 requantized activations inside a bf16
-    workspace). Raises WorkspaceShapeError when the buffer is too small.
+    workspace). Any buffer with enough elements fits, whatever shape it was declared with: that
+    is why, before PR #20392, a smaller Triton chunk could run in DeepGEMM's larger buffers.
+
+    Raises:
+        WorkspaceShapeError: the buffer holds fewer elements than ``shape`` needs.
     """
     flat = buffer.reshape(-1)
     if dtype is not None and dtype != flat.dtype:
         flat = flat.view(torch.uint8).view(dtype) if flat.numel() else flat.new_empty(0, dtype=dtype)
     need = math.prod(shape)
     if need > flat.numel():
-        raise WorkspaceShapeError(f"workspace holds {flat.numel()} elements, {need} needed for {shape}")
+        raise WorkspaceShapeError(
+            f"workspace holds {flat.numel()} {flat.dtype} elements, {need} needed for {tuple(shape)}"
+        )
     return flat[:need].view(shape)

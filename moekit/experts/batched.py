@@ -20,12 +20,13 @@ from __future__ import annotations
 import torch
 
 from moekit.errors import InvalidInputError, QuantizationError, StaleMetadataError
-from moekit.experts.base import Experts, carve, view_workspace
-from moekit.quant import dequantize_fp8_block, dequantize_fp8_per_token_group
+from moekit.experts.base import Experts, carve
+from moekit.quant import FP8, dequantize_fp8_block, dequantize_fp8_per_token_group
 from moekit.types import (
     ActivationFormat,
     ExpertsCall,
     ExpertTokensMetadata,
+    MoEWeights,
     ProblemSize,
     QuantScheme,
     WorkspaceShapes,
@@ -57,6 +58,16 @@ class _BatchedExperts(Experts):
         E, T, N, K = problem.num_local_experts, problem.M, problem.N, problem.K
         return WorkspaceShapes((E, T, N), (E, T, N // 2), (E, T, K), self.compute_dtype(act_dtype))
 
+    def check(self, problem: ProblemSize, weights: MoEWeights, *, a2_scale=None) -> None:
+        """A static ``a2_scale`` is refused: the batched fp8 path always requantizes the
+        intermediate with dynamic 1x128 scales, and a scale it ignored would be a silent lie."""
+        super().check(problem, weights, a2_scale=None)
+        if a2_scale is not None:
+            raise QuantizationError(
+                f"{self.name} requantizes between the GEMMs with dynamic 1x128 scales and does not take "
+                f"a static a2_scale (got shape {tuple(a2_scale.shape)}); pass a2_scale=None"
+            )
+
     def _counts(self, call: ExpertsCall) -> ExpertTokensMetadata:
         meta = call.tokens_meta
         if meta is None:
@@ -72,16 +83,6 @@ class _BatchedExperts(Experts):
             )
         return meta
 
-    def _check_quant(self, call: ExpertsCall) -> bool:
-        fp8 = self.quant is QuantScheme.FP8_BLOCK
-        if fp8 and (call.hidden.dtype != torch.float8_e4m3fn or call.hidden_scale is None):
-            raise QuantizationError(
-                f"{self.name} (fp8 block) expects fp8 activations with [E, T, K/128] scales, got "
-                f"{call.hidden.dtype} with scale {'None' if call.hidden_scale is None else 'given'}"
-            )
-        if not fp8 and call.hidden.dtype == torch.float8_e4m3fn:
-            raise QuantizationError(f"{self.name} is unquantized but got fp8 activations")
-        return fp8
 
 
 class NaiveBatchedExperts(_BatchedExperts):
@@ -100,11 +101,10 @@ class NaiveBatchedExperts(_BatchedExperts):
     def apply(self, call: ExpertsCall) -> str:
         """Compute ``output[e, :n_e]`` for every local expert with tokens; returns ``"torch"``."""
         meta = self._counts(call)
-        fp8 = self._check_quant(call)
-        E, T, K = call.hidden.shape
-        N = call.weights.w1.shape[1]
-        ws13 = view_workspace(call.workspace13, (E, T, N))
-        ws2 = view_workspace(call.workspace2, (E, T, N // 2))
+        fp8 = self.quant is QuantScheme.FP8_BLOCK
+        T, N = call.problem.M, call.problem.N
+        ws13 = carve(call.workspace13, call.shapes.workspace13)
+        ws2 = carve(call.workspace2, call.shapes.workspace2)
         counts = meta.expert_num_tokens if meta.expert_num_tokens_cpu is None else meta.expert_num_tokens_cpu
         w = call.weights
         for e, n in enumerate(counts.tolist()):
@@ -143,12 +143,11 @@ class BatchedTritonExperts(_BatchedExperts):
         from moekit.kernels.batched_gemm import batched_gemm
 
         counts = self._counts(call).expert_num_tokens
-        fp8 = self._check_quant(call)
-        E, T, _ = call.hidden.shape
-        N = call.weights.w1.shape[1]
+        fp8 = self.quant is QuantScheme.FP8_BLOCK
+        E, T, N = call.problem.num_local_experts, call.problem.M, call.problem.N
         w = call.weights
-        ws13 = view_workspace(call.workspace13, (E, T, N))
-        ws2 = view_workspace(call.workspace2, (E, T, N // 2))
+        ws13 = carve(call.workspace13, call.shapes.workspace13)
+        ws2 = carve(call.workspace2, call.shapes.workspace2)
         # The activation runs over every row of the slabs (one launch, no host sync), so GEMM1
         # zeroes the padding rows: stale workspace bytes could hold inf/NaN. GEMM2 never reads them.
         x, x_scale = call.hidden, call.hidden_scale
@@ -156,7 +155,7 @@ class BatchedTritonExperts(_BatchedExperts):
         rows = ws13.view(E * T, N)
         if fp8:
             # Quantize in the same pass; the fp8 activations fit in workspace2's first half.
-            q = carve(call.workspace2, (E * T, N // 2), dtype=torch.float8_e4m3fn)
+            q = carve(call.workspace2, (E * T, N // 2), dtype=FP8)
             a2, a2_scale = silu_and_mul_fp8_group(rows, out_q=q)
             a2, a2_scale = a2.view(E, T, N // 2), a2_scale.view(E, T, -1)
         else:

@@ -21,6 +21,8 @@ non-empty expert wastes at most 127 rows, and there are at most ``M*topk`` of th
 rows out in LOCAL expert space (non-local pairs are dropped), so E is E_local; upstream used
 E_global until #20903. The output is ``(M, topk, K)``, the same as ``TritonExperts``: the second
 half of the PR #20392 fix, so that a dispatcher can slice one whole-batch output per chunk.
+``flat_output=True`` declares it ``(M * topk, K)`` instead, as DeepGemmExperts did before the
+fix (parent commit 41060c6e0), for the notebook that replays bug 1.
 """
 
 from __future__ import annotations
@@ -31,13 +33,13 @@ import torch
 
 from moekit.backends import deep_gemm as dg
 from moekit.errors import BackendUnavailableError, InvalidInputError, QuantizationError, StaleMetadataError
-from moekit.experts.base import Experts, carve, view_workspace
-from moekit.kernels.contiguous_gemm import GemmConfig, contiguous_gemm
-from moekit.kernels.permute import ALIGN, ContiguousLayout, permute_to_contiguous, unpermute_from_contiguous
-from moekit.types import ExpertsCall, ExpertTokensMetadata, ProblemSize, QuantScheme, WorkspaceShapes
+from moekit.experts.base import Experts, carve
+from moekit.kernels.contiguous_gemm import GemmConfig, contiguous_gemm, default_config
+from moekit.kernels.permute import ALIGN_M, ContiguousLayout, permute_to_contiguous, unpermute_from_contiguous
+from moekit.quant import FP8, FP8_GROUP
+from moekit.types import ExpertsCall, ExpertTokensMetadata, MoEWeights, ProblemSize, QuantScheme, WorkspaceShapes
 
 BACKENDS = ("auto", "deep_gemm", "triton")
-FP8 = torch.float8_e4m3fn
 
 
 def _round_up(x: int, m: int) -> int:
@@ -45,13 +47,13 @@ def _round_up(x: int, m: int) -> int:
 
 
 def _index_bytes(M_sum: int, pairs: int, E: int) -> list[int]:
-    """Bytes of m_indices, inv_perm, block_rows, expert_start, cursor, overflow (16-aligned)."""
-    return [_round_up(4 * n, 16) for n in (M_sum, pairs, M_sum // ALIGN, E + 1, E, 1)]
+    """Bytes of m_indices, inv_perm, block_rows, expert_start, cursor, flags (16-aligned)."""
+    return [_round_up(4 * n, 16) for n in (M_sum, pairs, M_sum // ALIGN_M, E + 1, E, 1)]
 
 
 def _fp8_region(raw: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
     """fp8 ``[rows, cols]`` then its column-major 1x128 scales ``[cols/128, rows]``, from byte 0."""
-    groups = math.ceil(cols / ALIGN)
+    groups = math.ceil(cols / FP8_GROUP)
     q = raw[: rows * cols].view(FP8).view(rows, cols)
     scale = raw[rows * cols : rows * cols + 4 * groups * rows].view(torch.float32).view(groups, rows)
     return q, scale.t()
@@ -60,9 +62,10 @@ def _fp8_region(raw: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, 
 def stale_counts_message(total: int, M: int, topk: int) -> str:
     return (
         f"tokens_meta counts {total} (token, slot) pairs for this rank's experts, but this call has "
-        f"only M*topk = {M}*{topk} = {M * topk}. The counts describe a larger batch: whole-batch "
-        "expert_num_tokens were handed to a chunk (bug 2 of vLLM PR #20392). Sizing the layout from "
-        "them would be wrong; recount per chunk (ModularKernel(metadata_policy='per_chunk'))."
+        f"only M*topk = {M} tokens x {topk} slots = {M * topk} pairs. The counts describe a larger "
+        "batch: whole-batch expert_num_tokens were handed to a chunk (bug 2 of vLLM PR #20392). "
+        "Sizing the layout from them would be wrong; recount per chunk "
+        "(ModularKernel(metadata_policy='per_chunk'))."
     )
 
 
@@ -78,7 +81,8 @@ class DeepGemmExperts(Experts):
         backend: ``"auto"`` (deep_gemm when :func:`moekit.backends.deep_gemm.status` says it
             is usable and both GEMMs' K are multiples of 128, else moekit's Triton contiguous
             GEMM), ``"deep_gemm"`` (raise if unusable) or ``"triton"``.
-        gemm_config: tiles for the Triton GEMMs (:class:`~moekit.kernels.contiguous_gemm.GemmConfig`).
+        flat_output: declare the output ``(M * topk, K)``, as before PR #20392 (for teaching;
+            a dispatcher whose other backend declares ``(M, topk, K)`` then breaks, as upstream did).
 
     Raises:
         QuantizationError: ``quant`` is not FP8_BLOCK.
@@ -89,8 +93,7 @@ class DeepGemmExperts(Experts):
     supports_expert_map = True
     uses_tokens_meta = True
 
-    def __init__(self, *, quant: QuantScheme = QuantScheme.FP8_BLOCK, backend: str = "auto",
-                 gemm_config: GemmConfig | None = None):  # fmt: skip
+    def __init__(self, *, quant: QuantScheme = QuantScheme.FP8_BLOCK, backend: str = "auto", flat_output: bool = False):
         super().__init__(quant=quant)
         if quant is not QuantScheme.FP8_BLOCK:
             raise QuantizationError(f"DeepGemmExperts needs quant=QuantScheme.FP8_BLOCK, got {quant}")
@@ -99,10 +102,11 @@ class DeepGemmExperts(Experts):
         if backend == "deep_gemm" and not dg.status().usable:
             raise BackendUnavailableError(f"backend='deep_gemm' asked for, but {dg.status().reason}")
         self.backend = backend
-        self.gemm_config = gemm_config
+        self.flat_output = bool(flat_output)
 
     def __repr__(self) -> str:
-        return f"DeepGemmExperts(backend={self.backend!r})"
+        flat = ", flat_output=True" if self.flat_output else ""
+        return f"DeepGemmExperts(backend={self.backend!r}{flat})"
 
     # ----------------------------------------------------------------------------------------
     def _real_deep_gemm(self, N: int, K: int) -> bool:
@@ -118,29 +122,34 @@ class DeepGemmExperts(Experts):
     def backend_for(self, problem: ProblemSize) -> str:
         return "deep_gemm" if self._real_deep_gemm(problem.N, problem.K) else "deep_gemm[triton]"
 
-    @staticmethod
-    def _check_shape(problem: ProblemSize) -> None:
+    def check(self, problem: ProblemSize, weights: MoEWeights, *, a2_scale: torch.Tensor | None = None) -> None:
+        """N and K multiples of 128 (the layout's blocks); a per-tensor a2_scale only."""
+        super().check(problem, weights, a2_scale=a2_scale)
         if problem.N % 128 or problem.K % 128:
             raise QuantizationError(
                 f"DeepGemmExperts needs N and K multiples of 128 (the contiguous layout's blocks), "
                 f"got N={problem.N}, K={problem.K}; use TritonExperts or TritonOrDeepGemmExperts"
             )
+        if a2_scale is not None and a2_scale.numel() != 1:
+            raise QuantizationError(
+                f"DeepGemmExperts takes a per-tensor a2_scale (1 element) or None, got shape "
+                f"{tuple(a2_scale.shape)}: rows are permuted by expert, so per-token scales would need permuting"
+            )
+        self._real_deep_gemm(problem.N, problem.K)  # backend="deep_gemm" with a shape it cannot run: raise now
 
     def num_rows(self, problem: ProblemSize, tokens_meta: ExpertTokensMetadata | None = None) -> int:
         """M_sum: rows of the contiguous layout for this call (see the module docstring)."""
         pairs = problem.M * problem.topk
         cpu = tokens_meta.expert_num_tokens_cpu if tokens_meta is not None else None
         if cpu is None:
-            return _round_up(pairs + (ALIGN - 1) * min(problem.num_local_experts, pairs), ALIGN)
+            return _round_up(pairs + (ALIGN_M - 1) * min(problem.num_local_experts, pairs), ALIGN_M)
         if cpu.numel() != problem.num_local_experts:
             raise InvalidInputError(
                 f"tokens_meta has {cpu.numel()} counts, expected one per local expert "
                 f"({problem.num_local_experts})"
             )
         counts = cpu.to(torch.int64)
-        if int(counts.sum()) > pairs:
-            raise StaleMetadataError(stale_counts_message(int(counts.sum()), problem.M, problem.topk))
-        return int(((counts + ALIGN - 1) // ALIGN * ALIGN).sum())
+        return int(((counts + ALIGN_M - 1) // ALIGN_M * ALIGN_M).sum())
 
     def workspace_shapes(
         self,
@@ -149,19 +158,15 @@ class DeepGemmExperts(Experts):
         act_dtype: torch.dtype,
         tokens_meta: ExpertTokensMetadata | None = None,
     ) -> WorkspaceShapes:
-        """``(M_sum, max(N, K))``, ``(M_sum + R_idx, max(N/2, K))``, output ``(M, topk, K)``, bf16.
-
-        Raises:
-            QuantizationError: N or K not a multiple of 128.
-            StaleMetadataError: CPU counts describe more pairs than ``M * topk`` (bug 2).
-        """
-        self._check_shape(problem)
+        """``(M_sum, max(N, K))``, ``(M_sum + R_idx, max(N/2, K))``, output ``(M, topk, K)``, bf16
+        (``(M * topk, K)`` with ``flat_output``). M_sum follows the CPU counts when given."""
         M_sum = self.num_rows(problem, tokens_meta)
         W2 = max(problem.N // 2, problem.K)
         idx = sum(_index_bytes(M_sum, problem.M * problem.topk, problem.num_local_experts))
         R_idx = math.ceil(idx / (2 * W2))
-        out = (problem.M, problem.topk, problem.K)
-        return WorkspaceShapes((M_sum, max(problem.N, problem.K)), (M_sum + R_idx, W2), out, torch.bfloat16)
+        pairs, K = problem.M * problem.topk, problem.K
+        out = (pairs, K) if self.flat_output else (problem.M, problem.topk, K)
+        return WorkspaceShapes((M_sum, max(problem.N, K)), (M_sum + R_idx, W2), out, torch.bfloat16)
 
     # ----------------------------------------------------------------------------------------
     @staticmethod
@@ -169,7 +174,7 @@ class DeepGemmExperts(Experts):
         raw = ws2.reshape(-1).view(torch.uint8)
         off = M_sum * ws2.shape[1] * ws2.element_size()  # the index rows start after M_sum rows
         views = []
-        sizes = (M_sum, pairs, M_sum // ALIGN, E + 1, E, 1)
+        sizes = (M_sum, pairs, M_sum // ALIGN_M, E + 1, E, 1)
         for nbytes, n in zip(_index_bytes(M_sum, pairs, E), sizes, strict=True):
             views.append(raw[off : off + 4 * n].view(torch.int32))
             off += nbytes
@@ -179,23 +184,23 @@ class DeepGemmExperts(Experts):
         """permute -> GEMM1 -> silu_and_mul + fp8 requant -> GEMM2 -> unpermute into ``call.output``."""
         from moekit.kernels.activation import silu_and_mul_fp8_group
 
-        w = call.weights
-        E, N, K = w.w1.shape
-        M, topk = call.topk_ids.shape
-        problem = ProblemSize(M, N, K, topk, call.global_num_experts, E)
-        shapes = self.workspace_shapes(problem, act_dtype=call.hidden.dtype, tokens_meta=call.tokens_meta)
-        ws13 = view_workspace(call.workspace13, shapes.workspace13)  # strict, as upstream: fail here
-        ws2 = view_workspace(call.workspace2, shapes.workspace2)
-        self._check_call(call, shapes)
-        M_sum = shapes.workspace13[0]
+        p, w = call.problem, call.weights
+        M, N, K, topk, E = p.M, p.N, p.K, p.topk, p.num_local_experts
+        ws13 = carve(call.workspace13, call.shapes.workspace13)
+        ws2 = carve(call.workspace2, call.shapes.workspace2)
+        M_sum = call.shapes.workspace13[0]
         real = self._real_deep_gemm(N, K)
         backend = "deep_gemm" if real else "deep_gemm[triton]"
         if M == 0 or M_sum == 0:  # no local (token, slot) pair: every slot's output is zero
             call.output.zero_()
             return backend
-
-        if call.tokens_meta is not None:
-            counts = call.tokens_meta.expert_num_tokens
+        meta = call.tokens_meta
+        if meta is not None and call.guard and meta.expert_num_tokens_cpu is not None:
+            total = int(meta.expert_num_tokens_cpu.sum())
+            if total > M * topk:  # moekit's check: upstream would size and place rows from them
+                raise StaleMetadataError(stale_counts_message(total, M, topk))
+        if meta is not None:
+            counts = meta.expert_num_tokens
         else:
             from moekit.kernels.count import count_expert_num_tokens
 
@@ -204,7 +209,7 @@ class DeepGemmExperts(Experts):
             call.hidden, call.hidden_scale, call.topk_ids, counts, num_rows=M_sum,
             expert_map=call.expert_map, out=self._layout(ws2, M_sum, M * topk, E, K),
         )  # fmt: skip
-        if call.tokens_meta is not None and int(layout.flags.item()):  # one sync, outside counts only
+        if meta is not None and call.guard and int(layout.flags.item()):  # one sync, outside counts only
             routed = (layout.cursor - layout.expert_start[:-1]).tolist()
             raise StaleMetadataError(
                 f"tokens_meta.expert_num_tokens = {counts.tolist()}, but this call's topk_ids route "
@@ -216,7 +221,8 @@ class DeepGemmExperts(Experts):
         self._gemm(real, layout.a[:rows], layout.a_scale[:rows], w.w1, w.w1_scale, mm1, layout, rows)
         q, q_scale = _fp8_region(ws2.reshape(-1).view(torch.uint8), M_sum, N // 2)  # a is dead now
         q, q_scale = q[:rows], q_scale[:rows]
-        silu_and_mul_fp8_group(mm1, out_q=q, out_scale=q_scale, static_scale=self._a2_scale(call))
+        static = call.a2_scale.reshape(-1).float() if call.a2_scale is not None else None
+        silu_and_mul_fp8_group(mm1, out_q=q, out_scale=q_scale, static_scale=static)
         mm2 = carve(ws13, (M_sum, K))
         self._gemm(real, q, q_scale, w.w2, w.w2_scale, mm2[:rows], layout, rows)
         unpermute_from_contiguous(mm2, layout.inv_perm, out=call.output)
@@ -237,41 +243,22 @@ class DeepGemmExperts(Experts):
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return M_sum
         E, N, K = call.weights.w1.shape
-        padding_work = (ALIGN - 1) * E * (N + K) * K  # multiply-adds of the worst-case padding rows
+        padding_work = (ALIGN_M - 1) * E * (N + K) * K  # multiply-adds of the worst-case padding rows
         if padding_work < _SYNC_WORTH_IT:
             return M_sum
         return int(layout.expert_start[-1].item())
+
+    def gemm_config(self, num_rows: int, N: int, K: int) -> GemmConfig:
+        """Tiles of moekit's Triton contiguous GEMM (the fallback); a subclass may override it."""
+        return default_config(num_rows, N, K)
 
     def _gemm(self, real: bool, a, a_scale, b, b_scale, out, layout: ContiguousLayout, rows: int) -> None:
         if real:
             dg.grouped_gemm_contiguous(a, a_scale, b, b_scale, out, layout.m_indices[:rows])
         else:
             contiguous_gemm(a, a_scale, b, b_scale, layout.m_indices[:rows], out=out,
-                            block_rows=layout.block_rows[: rows // ALIGN], config=self.gemm_config)  # fmt: skip
-
-    @staticmethod
-    def _a2_scale(call: ExpertsCall) -> torch.Tensor | None:
-        s = call.a2_scale
-        if s is not None and s.numel() != 1:
-            raise QuantizationError(
-                f"DeepGemmExperts takes a per-tensor a2_scale (1 element) or None, got shape "
-                f"{tuple(s.shape)}: rows are permuted by expert, so per-token scales would need permuting"
-            )
-        return s
-
-    @staticmethod
-    def _check_call(call: ExpertsCall, shapes: WorkspaceShapes) -> None:
-        M, K = call.hidden.shape
-        if call.hidden.dtype != FP8 or call.hidden_scale is None:
-            raise QuantizationError(
-                f"DeepGemmExperts needs fp8 activations with 1x128 scales, got {call.hidden.dtype} and "
-                f"scale {None if call.hidden_scale is None else tuple(call.hidden_scale.shape)}"
-            )
-        if tuple(call.output.shape) != shapes.output or call.output.dtype != torch.bfloat16:
-            raise InvalidInputError(
-                f"output must be bf16 {shapes.output}, got {call.output.dtype} {tuple(call.output.shape)}"
-            )
-        call.weights.check(QuantScheme.FP8_BLOCK)
+                            block_rows=layout.block_rows[: rows // ALIGN_M],
+                            config=self.gemm_config(rows, b.shape[1], b.shape[2]))  # fmt: skip
 
 
 __all__ = ["DeepGemmExperts"]

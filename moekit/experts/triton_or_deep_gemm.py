@@ -16,16 +16,20 @@ One predicate, :meth:`TritonOrDeepGemmExperts.uses_deep_gemm`, decides for
 checked N = 2I while the apply rule checked I and also the dtypes, contiguity and whether
 deep_gemm was installed, so they could disagree (with I=192, 2I is 128-aligned and I is not),
 and only "DeepGemm's workspaces are larger" kept that safe.
+
+The rule is ``M >= 128`` in upstream's code (``_valid_deep_gemm_shape``); PR #20392's text says
+"num_tokens > 128". moekit follows the code: a chunk of exactly 128 tokens takes DeepGemm.
 """
 
 from __future__ import annotations
 
 import torch
 
+from moekit.errors import QuantizationError
 from moekit.experts.base import Experts
 from moekit.experts.deep_gemm import DeepGemmExperts
 from moekit.experts.triton import TritonExperts
-from moekit.types import ExpertsCall, ExpertTokensMetadata, ProblemSize, QuantScheme, WorkspaceShapes
+from moekit.types import ExpertsCall, ExpertTokensMetadata, MoEWeights, ProblemSize, QuantScheme, WorkspaceShapes
 
 DEEP_GEMM_MIN_M = 128  # upstream's switch is M >= 128 (the PR text says "> 128")
 
@@ -38,15 +42,22 @@ class TritonOrDeepGemmExperts(Experts):
         deep_gemm_backend: the ``backend`` of the DeepGemm sub-experts: ``"auto"`` (the real
             deep_gemm where usable, else moekit's Triton contiguous GEMM), ``"deep_gemm"`` or
             ``"triton"``.
+        flat_output: the DeepGemm backend declares its output ``(M * topk, K)``, as it did before
+            PR #20392 (for teaching: the Triton backend keeps ``(M, topk, K)``, and a forward
+            whose chunks cross the switch then fails as upstream did).
     """
 
     uses_tokens_meta = True
 
-    def __init__(self, *, quant: QuantScheme = QuantScheme.FP8_BLOCK, deep_gemm_backend: str = "auto"):
+    def __init__(
+        self, *, quant: QuantScheme = QuantScheme.FP8_BLOCK, deep_gemm_backend: str = "auto", flat_output: bool = False
+    ):
         super().__init__(quant=quant)
         self.triton = TritonExperts(quant=quant)
         self.deep_gemm = (
-            DeepGemmExperts(quant=quant, backend=deep_gemm_backend) if quant is QuantScheme.FP8_BLOCK else None
+            DeepGemmExperts(quant=quant, backend=deep_gemm_backend, flat_output=flat_output)
+            if quant is QuantScheme.FP8_BLOCK
+            else None
         )
         subs = [e for e in (self.triton, self.deep_gemm) if e is not None]
         # Instance attributes: a dispatcher can chunk only if every backend it may pick can.
@@ -64,6 +75,17 @@ class TritonOrDeepGemmExperts(Experts):
             and problem.N % 128 == 0
             and problem.K % 128 == 0
         )
+
+    def check(self, problem: ProblemSize, weights: MoEWeights, *, a2_scale=None) -> None:
+        """Triton's rules (it runs every chunk below 128 tokens); a per-token a2_scale only when no
+        chunk can take DeepGemm (which permutes rows by expert)."""
+        self.triton.check(problem, weights, a2_scale=a2_scale)
+        shapes_fit = problem.N % 128 == 0 and problem.K % 128 == 0
+        if self.deep_gemm is not None and shapes_fit and a2_scale is not None and a2_scale.numel() != 1:
+            raise QuantizationError(
+                f"TritonOrDeepGemmExperts takes a per-tensor a2_scale (1 element) when its DeepGemm backend may "
+                f"run (N, K multiples of 128), got shape {tuple(a2_scale.shape)}"
+            )
 
     def _pick(self, problem: ProblemSize) -> Experts:
         return self.deep_gemm if self.uses_deep_gemm(problem) else self.triton
@@ -83,10 +105,7 @@ class TritonOrDeepGemmExperts(Experts):
 
     def apply(self, call: ExpertsCall) -> str:
         """Run the backend picked for this call's M (the same one ``workspace_shapes`` picked)."""
-        E_local, N, K = call.weights.w1.shape
-        M, topk = call.hidden.shape[0], call.topk_ids.shape[1]
-        problem = ProblemSize(M, N, K, topk, call.global_num_experts, E_local)
-        return self._pick(problem).apply(call)
+        return self._pick(call.problem).apply(call)
 
 
 __all__ = ["DEEP_GEMM_MIN_M", "TritonOrDeepGemmExperts"]

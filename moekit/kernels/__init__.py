@@ -1,12 +1,13 @@
-"""Triton kernels, one family per file: a private ``@triton.jit`` ``_name_kernel`` sits right
-above the public launcher ``name`` that validates inputs, allocates the output and launches it.
+"""Triton kernels, one family per file: private ``@triton.jit`` kernels sit above the public
+launcher that checks its arguments, allocates what it returns and launches them.
 
-- ``count``: ``count_expert_num_tokens``, tokens per local expert ("scan" and "histogram").
-  ``count_histogram`` holds the one-pass variants (one launch, a self-resetting ticket scratch).
+- ``count``: ``count_expert_num_tokens``, tokens per local expert (one-pass "histogram" and the
+  seed's "scan").
 - ``align``: ``moe_align_block_size``, (token, slot) pairs sorted by expert, padded to a block.
 - ``fused_moe``: grouped GEMM over aligned blocks (standard format), with an optional fused
-  silu_and_mul (+ fp8 1x128 requantization) epilogue for GEMM1; ``configs`` picks its tiles.
-- ``permute``: DeepGEMM's contiguous layout (rows grouped by expert, padded to 128, ``m_indices``).
+  silu_and_mul (+ fp8 1x128 requantization) epilogue for GEMM1; ``configs`` holds its tile table.
+- ``permute``: DeepGEMM's contiguous layout (rows grouped by expert, padded to 128,
+  ``m_indices``), and the gather back to (token, slot) order.
 - ``contiguous_gemm``: grouped fp8 GEMM in that layout (moekit's own, when deep_gemm is absent).
 - ``batched_gemm``: batched-format GEMM masked by ``expert_num_tokens``.
 - ``activation``: ``silu_and_mul`` and ``silu_and_mul_fp8_group`` (fused 1x128 requantization).

@@ -20,9 +20,7 @@ import triton.language as tl
 
 from moekit.device import interpreting
 from moekit.errors import InvalidInputError, QuantizationError
-from moekit.quant import FP8, FP8_MAX
-
-_TINY = 1e-10  # the same floor as moekit.quant: an all-zero group keeps a finite scale
+from moekit.quant import FP8, FP8_GROUP, FP8_MAX, TINY_SCALE
 
 
 def _check_x(x: torch.Tensor) -> tuple[int, int]:
@@ -65,6 +63,26 @@ def round_for_store(v, DTYPE: tl.constexpr):
         # ulp is 2**-9) and subtracting it again rounds to that step.
         v = tl.where(tl.abs(v) < 0.015625, (v + 24576.0) - 24576.0, bits.to(tl.float32, bitcast=True))
     return v
+
+
+@triton.jit
+def quantize_fp8_rows(y, FP8_MAX: tl.constexpr, TINY: tl.constexpr):
+    """``(q, scale)`` for an fp32 ``[ROWS, GROUP]`` tile, one scale per row, as moekit.quant does.
+
+    ``scale = max(amax / 448, TINY)`` and ``q = clamp(y / scale, -448, 448)``; a row holding a
+    NaN gets a NaN scale and NaN values (a GPU's max and clamp would drop the NaN and give a
+    finite -448 instead).
+    """
+    has_nan = tl.max((y != y).to(tl.int32), axis=1) > 0
+    scale = tl.maximum(tl.max(tl.abs(y), axis=1) / FP8_MAX, TINY)
+    scale = tl.where(has_nan, float("nan"), scale)
+    return clamp_fp8(y / scale[:, None], FP8_MAX), scale
+
+
+@triton.jit
+def clamp_fp8(q, FP8_MAX: tl.constexpr):
+    """``clamp(q, -448, 448)`` that keeps NaN (the hardware clamp returns the bound for NaN)."""
+    return tl.where(q == q, tl.clamp(q, -FP8_MAX, FP8_MAX), q)
 
 
 @triton.jit
@@ -174,9 +192,9 @@ def _silu_and_mul_fp8_group_kernel(
     y = gate / (1.0 + tl.exp(-gate)) * up  # [BLOCK_R, GROUP], never stored in bf16
     if STATIC:
         scale = tl.load(static_ptr + rows * stride_static, mask=live, other=1.0)
+        q = clamp_fp8(y / scale[:, None], FP8_MAX)
     else:
-        scale = tl.maximum(tl.max(tl.abs(y), axis=1) / FP8_MAX, TINY)
-    q = tl.clamp(y / scale[:, None], -FP8_MAX, FP8_MAX)
+        q, scale = quantize_fp8_rows(y, FP8_MAX, TINY)
     if FIX_ROUNDING:
         q = round_for_store(q, q_ptr.dtype.element_ty)
     q_out = q_ptr + rows.to(tl.int64)[:, None] * stride_qr + cols[None, :]
@@ -191,7 +209,7 @@ def silu_and_mul_fp8_group(
     *,
     out_q: torch.Tensor | None = None,
     out_scale: torch.Tensor | None = None,
-    group: int = 128,
+    group: int = FP8_GROUP,
     column_major_scales: bool = False,
     static_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -264,7 +282,7 @@ def silu_and_mul_fp8_group(
     _silu_and_mul_fp8_group_kernel[grid](
         x, out_q, out_scale, static_scale if STATIC else out_scale,
         R, R_pad, H, x.stride(0), out_q.stride(0), out_scale.stride(0), out_scale.stride(1), stride_static,
-        GROUP=group, BLOCK_R=BLOCK_R, STATIC=STATIC, FP8_MAX=FP8_MAX, TINY=_TINY,
+        GROUP=group, BLOCK_R=BLOCK_R, STATIC=STATIC, FP8_MAX=FP8_MAX, TINY=TINY_SCALE,
         FIX_ROUNDING=interpreting(),
     )  # fmt: skip
     return out_q, out_scale

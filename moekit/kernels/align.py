@@ -12,8 +12,7 @@ one last bucket ``E`` for pairs whose expert lives elsewhere (its blocks get exp
 GEMMs write zeros there). Empty slots are dropped, or kept in bucket E with ``keep_empty``.
 
 Inputs of one tile (``numel <= TILE``, decode) take one launch of one program. Larger inputs
-take three launches, each spread over many programs, and never a host sync (the kernels live in
-:mod:`moekit.kernels.align_kernels`):
+take three launches, each spread over many programs, and never a host sync:
 
 1. ``_align_count_kernel``, one program per tile of ``TILE`` pairs: the tile's histogram,
    stored bucket-major, ``counts[bucket, tile]``.
@@ -36,20 +35,187 @@ from dataclasses import dataclass
 
 import torch
 import triton
+import triton.language as tl
 
 from moekit.device import interpreting
 from moekit.errors import InvalidInputError
-from moekit.kernels.align_kernels import (  # by name: patching them on this module reaches the launcher
-    _align_count_kernel,
-    _align_scan_kernel,
-    _align_scatter_kernel,
-    _align_small_kernel,
-)
-from moekit.validate import check_expert_map, check_ids
+from moekit.validate import check_expert_map, check_ids, check_positive_int
 
 TILE = 128  # pairs per program of the count and scatter kernels; the one-program path's limit
 _FILL = 1024  # entries per store when filling past the last block
 _MAX_NUMEL = 2**31 - 2**20  # int32 positions, with room for the padding
+
+
+# Sizes change with every M: specializing on them (== 1, % 16) would only add compiles.
+_SIZES = ["numel", "num_tiles", "max_padded", "max_blocks"]
+
+
+@triton.jit
+def _bucket_of(ids_ptr, map_ptr, idx, numel, E, num_local, HAS_MAP: tl.constexpr, KEEP_EMPTY: tl.constexpr, DROP):
+    """(bucket, local expert) of each pair: bucket g with g's local id for a local expert; E with
+    -1 for a remote one (or a kept empty slot); DROP for a dropped one."""
+    live = idx < numel
+    g = tl.load(ids_ptr + idx, mask=live, other=-1)
+    # Compare in the ids' own dtype: an int64 id cast to int32 first could wrap into range.
+    valid = live & (g >= 0) & (g < E)
+    if HAS_MAP:
+        e = tl.load(map_ptr + tl.where(valid, g, 0), mask=valid, other=-1).to(tl.int32)
+        local = valid & (e >= 0) & (e < num_local)
+    else:
+        e = g.to(tl.int32)
+        local = valid & (g < num_local)
+    bucket = tl.where(local, g, E).to(tl.int32)
+    if KEEP_EMPTY:
+        bucket = tl.where(live, bucket, DROP)
+    else:
+        bucket = tl.where(valid, bucket, DROP)
+    return bucket, tl.where(local, e, -1)
+
+
+@triton.jit
+def _rank_in_tile(bucket, TILE: tl.constexpr):
+    """Earlier pairs of the same bucket in the tile (what keeps the order stable)."""
+    offs = tl.arange(0, TILE)
+    same = (bucket[None, :] == bucket[:, None]) & (offs[None, :] < offs[:, None])
+    return tl.sum(same.to(tl.int32), axis=1)
+
+
+@triton.jit
+def _place(sorted_ptr, expert_ids_ptr, idx, row, pos, expert, keep, BLOCK_M: tl.constexpr):
+    """Pair idx goes to ``row``, the ``pos``-th row of its bucket. Padding only ends a bucket, so
+    every block starts with a pair: the pair on a block's first row writes the block's expert."""
+    tl.store(sorted_ptr + row, idx, mask=keep)
+    tl.store(expert_ids_ptr + row // BLOCK_M, expert, mask=keep & (pos % BLOCK_M == 0))
+
+
+@triton.jit
+def _pad(sorted_ptr, first, count, numel, PAD_W: tl.constexpr):
+    """``sorted[first[i] + k] = numel`` for ``k < count[i]`` (count < BLOCK_M <= PAD_W)."""
+    k = tl.arange(0, PAD_W)
+    pos = first[:, None] + k[None, :]
+    tl.store(sorted_ptr + pos, numel + tl.zeros_like(pos), mask=k[None, :] < count[:, None])
+
+
+@triton.jit
+def _fill_tail(sorted_ptr, expert_ids_ptr, post, numel, max_padded, max_blocks, pid, nprog,
+               BLOCK_M: tl.constexpr, FILL: tl.constexpr):  # fmt: skip
+    """Past the last block: sorted ids hold numel and expert ids -1. Program ``pid`` of ``nprog``
+    takes every nprog-th chunk of FILL entries."""
+    offs = tl.arange(0, FILL)
+    for p0 in range(post + pid * FILL, max_padded, nprog * FILL):
+        p = p0 + offs
+        tl.store(sorted_ptr + p, numel + tl.zeros_like(p), mask=p < max_padded)
+    for j0 in range(post // BLOCK_M + pid * FILL, max_blocks, nprog * FILL):
+        j = j0 + offs
+        tl.store(expert_ids_ptr + j, tl.full([FILL], -1, tl.int32), mask=j < max_blocks)
+
+
+@triton.jit(do_not_specialize=_SIZES)
+def _align_count_kernel(
+    # Pointers
+    ids_ptr, map_ptr, counts_ptr,
+    # Sizes
+    numel, E, num_local, num_tiles,
+    # Meta-parameters
+    HAS_MAP: tl.constexpr, KEEP_EMPTY: tl.constexpr, NUM_BINS: tl.constexpr, TILE: tl.constexpr,
+):
+    t = tl.program_id(0)
+    idx = t * TILE + tl.arange(0, TILE)
+    bucket, _ = _bucket_of(ids_ptr, map_ptr, idx, numel, E, num_local, HAS_MAP, KEEP_EMPTY, NUM_BINS - 1)
+    # Dropped pairs land in the last bin, which is never a real bucket (NUM_BINS > E + 1).
+    hist = tl.histogram(bucket, NUM_BINS)
+    bins = tl.arange(0, NUM_BINS)
+    # Bucket-major: the scan reads one contiguous row per bucket.
+    tl.store(counts_ptr + bins * num_tiles + t, hist, mask=bins <= E)
+
+
+@triton.jit(do_not_specialize=_SIZES)
+def _align_scan_kernel(
+    # Pointers
+    counts_ptr, totals_ptr,
+    # Sizes
+    num_tiles,
+    # Meta-parameters
+    BLOCK: tl.constexpr,
+):
+    b = tl.program_id(0)
+    row = counts_ptr + b * num_tiles
+    carry = tl.sum(tl.zeros([BLOCK], dtype=tl.int32), axis=0)
+    for t0 in range(0, num_tiles, BLOCK):
+        t = t0 + tl.arange(0, BLOCK)
+        c = tl.load(row + t, mask=t < num_tiles, other=0)
+        # Exclusive prefix over tiles: where tile t starts writing inside bucket b.
+        tl.store(row + t, tl.cumsum(c, axis=0) - c + carry, mask=t < num_tiles)
+        carry += tl.sum(c, axis=0)
+    tl.store(totals_ptr + b, carry)
+
+
+@triton.jit(do_not_specialize=_SIZES)
+def _align_scatter_kernel(
+    # Pointers
+    ids_ptr, map_ptr, offsets_ptr, totals_ptr, sorted_ptr, expert_ids_ptr, post_ptr,
+    # Sizes
+    numel, E, num_local, num_tiles, max_padded, max_blocks,
+    # Meta-parameters
+    BLOCK_M: tl.constexpr, HAS_MAP: tl.constexpr, KEEP_EMPTY: tl.constexpr, NUM_BINS: tl.constexpr,
+    TILE: tl.constexpr, OWNED: tl.constexpr, PAD_W: tl.constexpr, FILL: tl.constexpr,
+):
+    t = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    bins = tl.arange(0, NUM_BINS)
+    totals = tl.load(totals_ptr + bins, mask=bins <= E, other=0)
+    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    starts = tl.cumsum(padded, axis=0) - padded
+    post = tl.sum(padded, axis=0)
+
+    idx = t * TILE + tl.arange(0, TILE)
+    bucket, expert = _bucket_of(ids_ptr, map_ptr, idx, numel, E, num_local, HAS_MAP, KEEP_EMPTY, NUM_BINS - 1)
+    keep = bucket <= E
+    b = tl.where(keep, bucket, 0)
+    pos = tl.load(offsets_ptr + b * num_tiles + t, mask=keep, other=0) + _rank_in_tile(bucket, TILE)
+    _place(sorted_ptr, expert_ids_ptr, idx, tl.gather(starts, b, 0) + pos, pos, expert, keep, BLOCK_M)
+
+    # This program's buckets (t, t + nprog, ...): rows [start + total, start + padded) are padding.
+    owned = t + nprog * tl.arange(0, OWNED)
+    ob = tl.minimum(owned, E)
+    ob_total = tl.gather(totals, ob, 0)
+    n_pad = tl.where(owned <= E, tl.gather(padded, ob, 0) - ob_total, 0)
+    _pad(sorted_ptr, tl.gather(starts, ob, 0) + ob_total, n_pad, numel, PAD_W)
+    if t == 0:
+        tl.store(post_ptr, post)
+    _fill_tail(sorted_ptr, expert_ids_ptr, post, numel, max_padded, max_blocks, t, nprog, BLOCK_M, FILL)
+
+
+@triton.jit(do_not_specialize=_SIZES)
+def _align_small_kernel(
+    # Pointers
+    ids_ptr, map_ptr, sorted_ptr, expert_ids_ptr, post_ptr,
+    # Sizes
+    numel, E, num_local, max_padded, max_blocks,
+    # Meta-parameters
+    BLOCK_M: tl.constexpr, HAS_MAP: tl.constexpr, KEEP_EMPTY: tl.constexpr, NUM_BINS: tl.constexpr,
+    TILE: tl.constexpr, PAD_W: tl.constexpr, FILL: tl.constexpr,
+):
+    # All three steps in one program, for inputs of one tile (decode): one launch instead of three.
+    offs = tl.arange(0, TILE)
+    bins = tl.arange(0, NUM_BINS)
+    bucket, expert = _bucket_of(ids_ptr, map_ptr, offs, numel, E, num_local, HAS_MAP, KEEP_EMPTY, NUM_BINS - 1)
+    keep = bucket <= E
+    # A one-hot sum, not tl.histogram: a tile this small is spread thinner than one element per thread.
+    totals = tl.sum(((bucket[:, None] == bins[None, :]) & (bins[None, :] <= E)).to(tl.int32), axis=0)
+    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    starts = tl.cumsum(padded, axis=0) - padded
+    post = tl.sum(padded, axis=0)
+    b = tl.where(keep, bucket, 0)
+    pos = _rank_in_tile(bucket, TILE)
+    row = tl.gather(starts, b, 0) + pos
+    _place(sorted_ptr, expert_ids_ptr, offs, row, pos, expert, keep, BLOCK_M)
+    # The last pair of each bucket writes the bucket's padding right after itself.
+    total = tl.gather(totals, b, 0)
+    n_pad = tl.where(keep & (pos == total - 1), tl.gather(padded, b, 0) - total, 0)
+    _pad(sorted_ptr, row + 1, n_pad, numel, PAD_W)
+    tl.store(post_ptr, post)
+    _fill_tail(sorted_ptr, expert_ids_ptr, post, numel, max_padded, max_blocks, 0, 1, BLOCK_M, FILL)
 
 
 @dataclass
@@ -80,11 +246,10 @@ def max_padded_size(numel: int, num_buckets: int, block_m: int) -> int:
     return triton.cdiv(bound, block_m) * block_m
 
 
-def _check(topk_ids, block_m, num_experts, expert_map, num_local_experts) -> None:
+def _check(topk_ids, block_m, global_num_experts, expert_map) -> None:
     check_ids(topk_ids, rank=None)
-    for name, value in (("block_m", block_m), ("num_experts", num_experts)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise InvalidInputError(f"{name} must be a positive int, got {value!r}")
+    check_positive_int(block_m, "block_m")
+    check_positive_int(global_num_experts, "global_num_experts")
     if block_m & (block_m - 1):
         raise InvalidInputError(f"block_m must be a power of two, got {block_m}")
     if topk_ids.numel() > _MAX_NUMEL:
@@ -92,15 +257,17 @@ def _check(topk_ids, block_m, num_experts, expert_map, num_local_experts) -> Non
     if topk_ids.device.type == "cpu" and not interpreting():
         raise InvalidInputError("topk_ids is on the CPU but Triton compiles for CUDA; move it to the GPU")
     if expert_map is not None:
-        check_expert_map(expert_map, num_local_experts=num_local_experts or num_experts, device=topk_ids.device)
-        if expert_map.numel() != num_experts:
-            raise InvalidInputError(f"expert_map must have num_experts={num_experts} entries, got {expert_map.numel()}")
+        check_expert_map(expert_map, device=topk_ids.device)
+        if expert_map.numel() != global_num_experts:
+            raise InvalidInputError(
+                f"expert_map must have global_num_experts={global_num_experts} entries, got {expert_map.numel()}"
+            )
 
 
 def moe_align_block_size(
     topk_ids: torch.Tensor,
     block_m: int,
-    num_experts: int,
+    global_num_experts: int,
     expert_map: torch.Tensor | None = None,
     *,
     num_local_experts: int | None = None,
@@ -143,7 +310,7 @@ def moe_align_block_size(
     Args:
         topk_ids: contiguous int32/int64 ``[M, topk]`` (or ``[numel]``) global expert ids.
         block_m: rows per GEMM block, a power of two.
-        num_experts: E, the number of global experts (the length of ``expert_map``).
+        global_num_experts: E, the number of global experts (the length of ``expert_map``).
         expert_map: optional int ``[E]``: global id -> local id, -1 where the expert is remote.
         num_local_experts: experts on this rank; a map entry outside ``[0, num_local_experts)``
             (or, without a map, an id >= it) counts as remote. Defaults to E.
@@ -156,10 +323,10 @@ def moe_align_block_size(
 
     Raises:
         InvalidIdsError: ids or map not signed-integer and contiguous.
-        InvalidInputError: a bad ``block_m``/``num_experts``, or a map of the wrong length.
+        InvalidInputError: a bad ``block_m``/``global_num_experts``, or a map of the wrong length.
     """
-    _check(topk_ids, block_m, num_experts, expert_map, num_local_experts)
-    E, numel, device = num_experts, topk_ids.numel(), topk_ids.device
+    _check(topk_ids, block_m, global_num_experts, expert_map)
+    E, numel, device = global_num_experts, topk_ids.numel(), topk_ids.device
     num_local = num_local_experts if num_local_experts is not None else E
     max_padded = max_padded_size(numel, E + 1, block_m)
     max_blocks = max_padded // block_m

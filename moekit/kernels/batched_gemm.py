@@ -19,10 +19,9 @@ import triton.language as tl
 
 from moekit.device import interpreting
 from moekit.errors import InvalidInputError, QuantizationError
+from moekit.quant import FP8, FP8_GROUP
 
 _FLOAT = (torch.bfloat16, torch.float16, torch.float32)
-_FP8 = torch.float8_e4m3fn
-_GROUP = 128  # fp8 scale group (activations) and block edge (weights)
 
 
 @triton.jit
@@ -152,7 +151,7 @@ def batched_gemm(
 
     BLOCK_T = min(64, max(16, triton.next_power_of_2(T)))
     BLOCK_N = min(64, max(16, triton.next_power_of_2(N)))
-    BLOCK_K = _GROUP if fp8 else min(64, max(16, triton.next_power_of_2(K)))
+    BLOCK_K = FP8_GROUP if fp8 else min(64, max(16, triton.next_power_of_2(K)))
     # Unused scale pointers still need a tensor and strides; point them at the counts.
     sa = a_scale if fp8 else expert_num_tokens.view(1, 1, -1)
     sb = b_scale if fp8 else expert_num_tokens.view(1, 1, -1)
@@ -184,22 +183,22 @@ def _check(a, b, counts, a_scale, b_scale) -> bool:
     E, T, K = a.shape
     if b.shape[0] != E or b.shape[2] != K:
         raise InvalidInputError(f"b must be [E={E}, N, K={K}] to match a {tuple(a.shape)}, got {tuple(b.shape)}")
-    if a.dtype != b.dtype or a.dtype not in (*_FLOAT, _FP8):
+    if a.dtype != b.dtype or a.dtype not in (*_FLOAT, FP8):
         raise InvalidInputError(f"a and b must share a dtype in bf16/fp16/fp32/fp8, got {a.dtype} and {b.dtype}")
     if not isinstance(counts, torch.Tensor) or counts.dtype != torch.int32 or tuple(counts.shape) != (E,):
         got = f"{counts.dtype} {tuple(counts.shape)}" if isinstance(counts, torch.Tensor) else type(counts).__name__
         raise InvalidInputError(f"expert_num_tokens must be int32 [E={E}], got {got}")
     if len({a.device, b.device, counts.device}) != 1:
         raise InvalidInputError(f"a, b, expert_num_tokens must share a device, got {a.device}, {b.device}, {counts.device}")
-    fp8 = a.dtype == _FP8
+    fp8 = a.dtype == FP8
     if not fp8:
         if a_scale is not None or b_scale is not None:
             raise QuantizationError(f"scales were given but a and b are {a.dtype}, not fp8")
         return False
     if a_scale is None or b_scale is None:
         raise QuantizationError("fp8 a and b need both a_scale and b_scale, got None")
-    N, G = b.shape[1], triton.cdiv(K, _GROUP)
-    want_a, want_b = (E, T, G), (E, triton.cdiv(N, _GROUP), G)
+    N, G = b.shape[1], triton.cdiv(K, FP8_GROUP)
+    want_a, want_b = (E, T, G), (E, triton.cdiv(N, FP8_GROUP), G)
     for name, s, want in (("a_scale", a_scale, want_a), ("b_scale", b_scale, want_b)):
         if tuple(s.shape) != want or s.dtype != torch.float32 or s.device != a.device:
             raise QuantizationError(f"{name} must be float32 {want} on {a.device}, got {s.dtype} {tuple(s.shape)}")

@@ -32,9 +32,7 @@ import triton.language as tl
 
 from moekit.device import interpreting
 from moekit.errors import InvalidInputError
-
-GROUP = 128  # scale granularity along K (activations) and along N and K (weights)
-FP8 = torch.float8_e4m3fn
+from moekit.quant import FP8, FP8_GROUP
 
 
 @dataclass(frozen=True)
@@ -48,8 +46,8 @@ class GemmConfig:
     num_stages: int = 4
 
     def __post_init__(self):
-        if self.block_m <= 0 or GROUP % self.block_m:
-            raise InvalidInputError(f"block_m must divide {GROUP}, got {self.block_m}")
+        if self.block_m <= 0 or FP8_GROUP % self.block_m:
+            raise InvalidInputError(f"block_m must divide {FP8_GROUP}, got {self.block_m}")
         if self.block_n not in (16, 32, 64, 128, 256):
             raise InvalidInputError(f"block_n must be a power of two in [16, 256], got {self.block_n}")
 
@@ -172,12 +170,12 @@ def contiguous_gemm(
     if b.dim() != 3 or b.shape[2] != K:
         raise InvalidInputError(f"b must be [E, N, K={K}], got {tuple(b.shape)}")
     E, N, _ = b.shape
-    G_k, G_n = triton.cdiv(K, GROUP), triton.cdiv(N, GROUP)
+    G_k, G_n = triton.cdiv(K, FP8_GROUP), triton.cdiv(N, FP8_GROUP)
     problems = []
     if a.dtype != FP8 or b.dtype != FP8:
         problems.append(f"a and b must be float8_e4m3fn, got {a.dtype} and {b.dtype}")
-    if M_sum % GROUP:
-        problems.append(f"a must have a multiple of {GROUP} rows, got {M_sum}")
+    if M_sum % FP8_GROUP:
+        problems.append(f"a must have a multiple of {FP8_GROUP} rows, got {M_sum}")
     if a.stride(1) != 1 or not b.is_contiguous():
         problems.append(f"a needs a unit column stride and b must be contiguous, got {a.stride()} and {b.stride()}")
     if tuple(a_scale.shape) != (M_sum, G_k) or a_scale.dtype != torch.float32:
@@ -186,8 +184,8 @@ def contiguous_gemm(
         problems.append(f"b_scale must be float32 {(E, G_n, G_k)} row-major, got {b_scale.dtype} {tuple(b_scale.shape)}")
     if m_indices.dtype != torch.int32 or m_indices.numel() != M_sum:
         problems.append(f"m_indices must be int32 [{M_sum}], got {m_indices.dtype} {tuple(m_indices.shape)}")
-    if block_rows is not None and (block_rows.dtype != torch.int32 or block_rows.numel() != M_sum // GROUP):
-        problems.append(f"block_rows must be int32 [{M_sum // GROUP}], got {block_rows.dtype} {tuple(block_rows.shape)}")
+    if block_rows is not None and (block_rows.dtype != torch.int32 or block_rows.numel() != M_sum // FP8_GROUP):
+        problems.append(f"block_rows must be int32 [{M_sum // FP8_GROUP}], got {block_rows.dtype} {tuple(block_rows.shape)}")
     if out is None:
         out = torch.empty(M_sum, N, dtype=torch.bfloat16, device=a.device)
     elif tuple(out.shape) != (M_sum, N) or out.stride(1) != 1:
@@ -204,8 +202,8 @@ def contiguous_gemm(
         a.stride(0), a_scale.stride(0), a_scale.stride(1),
         b.stride(0), b.stride(1), b_scale.stride(0), b_scale.stride(1),
         out.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=GROUP, GROUP_M=cfg.group_m,
-        SKIP_PADDING=block_rows is not None, EVEN_K=K % GROUP == 0, EVEN_N=N % cfg.block_n == 0,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=FP8_GROUP, GROUP_M=cfg.group_m,
+        SKIP_PADDING=block_rows is not None, EVEN_K=K % FP8_GROUP == 0, EVEN_N=N % cfg.block_n == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out

@@ -6,18 +6,26 @@ Shapes (M tokens, topk slots per token, E_local experts on this rank, E_global i
     expert_map   [E_global]             global id -> local id, or -1 (another rank's expert)
     out          int32 [E_local]        (token, slot) pairs routed to each local expert
 
-Two algorithms:
+Two algorithms, both exact and deterministic:
 
-- ``"scan"``: the seed's kernel. One program per local expert reads *every* id: O(E_local x numel)
-  loads. Kept because it is the easiest to read, and to show what it costs.
-- ``"histogram"``: one pass (``moekit.kernels.count_histogram``). Each program reads its tiles of
-  ids once and builds a partial histogram with ``tl.histogram``; in one launch, the partials are
-  added into a cached accumulator and the last program to finish writes the output.
+- ``"scan"``: the seed's kernel. One program per local expert reads *every* id, so the work is
+  ``E_local x numel`` loads. Kept because it is the easiest to read, and to show what it costs.
+- ``"histogram"`` (the default): one pass. A small grid of programs strides over tiles of ids;
+  each reads its tiles once and bins them with ``tl.histogram`` into a partial histogram held in
+  registers, then adds it to ``out`` with one atomic per non-empty bin. With a single program
+  (every per-chunk count, up to 4096 ids) the histogram is stored directly: one launch. With
+  several, ``out`` is zero-filled first: two launches. Integer adds commute, so the order in
+  which programs finish changes nothing.
+
+Nothing persists between calls: no cached scratch, no counter. A call that is interrupted (a
+Ctrl-C under the interpreter stops a launch half way) cannot leave state behind that a later
+call would read, and concurrent calls on different streams or threads share nothing.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import inspect
 
 import torch
 import triton
@@ -25,45 +33,28 @@ import triton.language as tl
 
 from moekit.device import interpreting
 from moekit.errors import InvalidIdsError, InvalidInputError
-from moekit.kernels.count_histogram import (  # noqa: F401  (_count_histogram_kernel: read by notebook 04)
-    DEFAULT_VARIANT,
-    MAX_NUMEL,
-    _count_histogram_kernel,
-    count_histogram,
-)
-from moekit.validate import check_expert_map, check_ids
+from moekit.validate import check_expert_map, check_ids, check_positive_int
 
 METHODS = ("histogram", "scan")
-_MAX_BLOCK = 2**16
-# Private knob for benchmarks and tests: which count_histogram.VARIANTS entry "histogram" runs.
-_HISTOGRAM_VARIANT = DEFAULT_VARIANT
+MAX_NUMEL = 2**31 - 2**16  # int32 offsets inside the kernels; the last tile may run past numel
+_BLOCK = 4096  # ids per tile of the histogram (smaller inputs take a smaller tile)
+_PROGRAMS_PER_SM = 2  # the histogram's grid is at most this many programs per SM
+_INTERPRETER_SMS = 2  # a pretend SM count: few programs under the interpreter, but more than one
+# tl.histogram takes a `mask` in Triton 3.6 and 3.9. On a release without it, invalid ids go to a
+# spare bin instead (one more bin, same result).
+_HISTOGRAM_HAS_MASK = "mask" in inspect.signature(tl.histogram).parameters
 
 
-@dataclass(frozen=True)
-class HistogramTuning:
-    """Launch shape of ``method="histogram"`` (the bench sweeps these on a GPU).
-
-    - ``block``: ids per tile, a power of two in [32, 65536] (small inputs use a smaller tile).
-    - ``programs_per_sm``: the grid is ``min(tiles, SMs * programs_per_sm)``; each program
-      loops over every ``grid``-th tile, so a large input costs few programs and few atomics.
-    - ``num_warps``: warps per program.
-    """
-
-    block: int = 4096
-    programs_per_sm: int = 2
-    num_warps: int = 16
-
-    def __post_init__(self):
-        for name in ("block", "programs_per_sm", "num_warps"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise InvalidInputError(f"HistogramTuning.{name} must be a positive int, got {value!r}")
-        for name in ("block", "num_warps"):
-            value = getattr(self, name)
-            if value & (value - 1):
-                raise InvalidInputError(f"HistogramTuning.{name} must be a power of two, got {value}")
-        if not 32 <= self.block <= _MAX_BLOCK:
-            raise InvalidInputError(f"HistogramTuning.block must be in [32, {_MAX_BLOCK}], got {self.block}")
+@triton.jit
+def _local_ids(ids, map_ptr, id_limit, num_local, HAS_MAP: tl.constexpr):
+    """(local expert, valid) for each id: -1 slots, ids past the map and remote experts are invalid."""
+    # Compare in the ids' own dtype: casting an int64 id to int32 first could wrap it into range.
+    ok = (ids >= 0) & (ids < id_limit)
+    local = tl.where(ok, ids, 0)
+    if HAS_MAP:  # a compile-time branch; the gather is masked, so a bad id reads nothing
+        local = tl.load(map_ptr + local, mask=ok, other=-1)
+        ok = ok & (local >= 0) & (local < num_local)
+    return tl.where(ok, local, 0).to(tl.int32), ok
 
 
 @triton.jit
@@ -81,34 +72,81 @@ def _count_scan_kernel(
     for t in range(tl.cdiv(numel, BLOCK)):
         idx = t * BLOCK + offs
         ids = tl.load(ids_ptr + idx, mask=idx < numel, other=-1)
-        # Compare in the ids' own dtype: casting an int64 id to int32 first could wrap it into range.
-        ok = (idx < numel) & (ids >= 0) & (ids < id_limit)
-        local = tl.where(ok, ids, 0)
-        if HAS_MAP:
-            # A masked gather, never an `if` on a tensor; lanes with a bad id read nothing.
-            local = tl.load(map_ptr + local, mask=ok, other=-1)
-            ok = ok & (local >= 0) & (local < num_local)
+        local, ok = _local_ids(ids, map_ptr, id_limit, num_local, HAS_MAP)
         acc += (ok & (local == p)).to(tl.int32)
     tl.store(out_ptr + p, tl.sum(acc, axis=0))
 
 
-def _check(topk_ids, num_local_experts, expert_map, method, tuning) -> None:
+@triton.jit
+def _load_tile(ids_ptr, t, num_tiles, numel, BLOCK: tl.constexpr):
+    # A tile past the last one (a prefetch) reads nothing; clamping t keeps its int32 offsets in range.
+    idx = tl.minimum(t, num_tiles - 1) * BLOCK + tl.arange(0, BLOCK)
+    end = tl.where(t < num_tiles, numel, 0)
+    return tl.load(ids_ptr + idx, mask=idx < end, other=-1)  # -1: an empty slot, never counted
+
+
+@triton.jit(do_not_specialize=["numel"])  # numel changes with every chunk: no recompiles
+def _count_histogram_kernel(
+    # Pointers
+    ids_ptr, map_ptr, out_ptr,
+    # Sizes
+    numel, id_limit, num_local,
+    # Meta-parameters
+    HAS_MAP: tl.constexpr, BLOCK: tl.constexpr, NUM_BINS: tl.constexpr, MASKED: tl.constexpr,
+    SOLO: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    step = tl.num_programs(0)
+    num_tiles = tl.cdiv(numel, BLOCK)
+    hist = tl.zeros([NUM_BINS], dtype=tl.int32)
+    ahead = _load_tile(ids_ptr, pid, num_tiles, numel, BLOCK)
+    for t in range(pid, num_tiles, step):
+        ids = ahead  # the next tile's load is in flight while this one is binned
+        ahead = _load_tile(ids_ptr, t + step, num_tiles, numel, BLOCK)
+        local, ok = _local_ids(ids, map_ptr, id_limit, num_local, HAS_MAP)
+        # On a GPU tl.histogram keeps only the low log2(NUM_BINS) bits of each value, so every
+        # value it sees must be a valid bin: invalid lanes are masked, or sent to a spare bin.
+        if MASKED:
+            hist += tl.histogram(local, NUM_BINS, mask=ok)
+        else:
+            hist += tl.histogram(tl.where(ok, local, NUM_BINS - 1), NUM_BINS)
+    bins = tl.arange(0, NUM_BINS)
+    keep = bins < num_local
+    if SOLO:  # the only program: its histogram is the answer (out is uninitialized)
+        tl.store(out_ptr + bins, hist, mask=keep)
+    else:  # out was zero-filled; one relaxed atomic per non-empty bin
+        tl.atomic_add(out_ptr + bins, hist, mask=keep & (hist > 0), sem="relaxed")
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=1024)
+def _histogram_launch(numel: int, num_local: int, sms: int) -> tuple[int, int, int, int]:
+    """(block, grid, num_warps, bins) for ``numel > 0`` ids: a tile as large as the input up to
+    4096 ids, and at most ``2 x SMs`` programs, each striding over every grid-th tile."""
+    bins = max(32, triton.next_power_of_2(num_local + (0 if _HISTOGRAM_HAS_MASK else 1)))
+    block = min(_BLOCK, max(128, triton.next_power_of_2(numel)))
+    grid = min(triton.cdiv(numel, block), sms * _PROGRAMS_PER_SM)
+    return block, grid, max(1, min(16, block // 128)), bins
+
+
+def _check(topk_ids, num_local_experts, expert_map, method) -> None:
     if method not in METHODS:
         raise InvalidInputError(f"method must be one of {METHODS}, got {method!r}")
-    if not isinstance(num_local_experts, int) or isinstance(num_local_experts, bool) or num_local_experts <= 0:
-        raise InvalidInputError(f"num_local_experts must be a positive int, got {num_local_experts!r}")
+    check_positive_int(num_local_experts, "num_local_experts")
     check_ids(topk_ids, rank=None)
     if topk_ids.dim() not in (1, 2):
         raise InvalidIdsError(f"topk_ids must be 1-D [numel] or 2-D [M, topk], got shape {tuple(topk_ids.shape)}")
     if topk_ids.numel() > MAX_NUMEL:
         raise InvalidInputError(f"at most {MAX_NUMEL} ids per call (int32 offsets), got {topk_ids.numel()}")
+    if topk_ids.device.type not in ("cpu", "cuda"):
+        raise InvalidInputError(f"topk_ids must be on the CPU (interpreter) or a CUDA GPU, got {topk_ids.device}")
     if topk_ids.device.type == "cpu" and not interpreting():
         raise InvalidInputError("topk_ids is on the CPU but Triton compiles for CUDA; move it to the GPU")
-    check_expert_map(expert_map, num_local_experts=num_local_experts, device=topk_ids.device)
-    if expert_map is not None and expert_map.device != topk_ids.device:
-        raise InvalidIdsError(f"expert_map is on {expert_map.device}, topk_ids on {topk_ids.device}")
-    if tuning is not None and (method != "histogram" or not isinstance(tuning, HistogramTuning)):
-        raise InvalidInputError(f"tuning must be a HistogramTuning for method='histogram', got {tuning!r}")
+    check_expert_map(expert_map, device=topk_ids.device)
 
 
 def count_expert_num_tokens(
@@ -117,7 +155,6 @@ def count_expert_num_tokens(
     expert_map: torch.Tensor | None = None,
     *,
     method: str = "histogram",
-    tuning: HistogramTuning | None = None,
 ) -> torch.Tensor:
     """How many (token, slot) pairs go to each local expert, as int32 ``[num_local_experts]``.
 
@@ -142,20 +179,14 @@ def count_expert_num_tokens(
     Pairs are counted, not tokens: a row that names one expert twice counts 2. Ids beyond the
     map (or ``>= num_local_experts`` without a map), negative ids and map entries outside
     ``[0, num_local_experts)`` are ignored on the device: nothing is read out of bounds and
-    nothing syncs with the host. Empty input returns zeros without launching a kernel. Both
-    methods give identical, deterministic results.
-
-    ``"histogram"`` is one launch that keeps a small zeroed scratch per (device, stream), which
-    each call leaves zeroed again; CUDA graphs share one per device, so replays of captured
-    graphs must not overlap each other. Capturing before any eager count (of the same size of
-    histogram) falls back to a zero-fill plus the kernel; one eager warm-up count avoids that.
+    nothing syncs with the host. Empty input returns zeros without launching a kernel (upstream's
+    block size would have been ``next_power_of_2(0) == 0``).
 
     Args:
         topk_ids: contiguous int32/int64 ids, ``[M, topk]`` or ``[numel]``, on the kernels' device.
         num_local_experts: E_local > 0 (need not be a power of two).
         expert_map: optional contiguous int32/int64 ``[E_global]`` on the same device.
         method: ``"histogram"`` (one pass, the default) or ``"scan"`` (one program per expert).
-        tuning: launch shape for ``"histogram"`` (defaults to :class:`HistogramTuning`).
 
     Returns:
         int32 ``[num_local_experts]`` on ``topk_ids.device``.
@@ -163,20 +194,30 @@ def count_expert_num_tokens(
     Raises:
         InvalidIdsError: ids or map unsigned, non-integer, non-contiguous, not 1-D/2-D (ids) or
             1-D (map), or the map on another device.
-        InvalidInputError: an unknown ``method``, ``num_local_experts <= 0``, a bad ``tuning``,
-            CPU ids while Triton compiles for CUDA, or more than 2**31 - 2**16 ids.
+        InvalidInputError: an unknown ``method``, ``num_local_experts`` not a positive int, ids on
+            a device Triton cannot run on (the meta device, or the CPU while Triton compiles for
+            CUDA), or more than ``MAX_NUMEL`` ids.
     """
-    _check(topk_ids, num_local_experts, expert_map, method, tuning)
-    numel = topk_ids.numel()
-    if numel == 0:  # upstream's block size would be next_power_of_2(0) == 0
-        return torch.zeros(num_local_experts, dtype=torch.int32, device=topk_ids.device)
-    if method == "histogram":
-        return count_histogram(topk_ids, num_local_experts, expert_map, tuning=tuning or HistogramTuning(),
-                               variant=_HISTOGRAM_VARIANT)
-    out = torch.empty(num_local_experts, dtype=torch.int32, device=topk_ids.device)
-    _count_scan_kernel[(num_local_experts,)](
-        topk_ids, expert_map, out, numel=numel, num_local=num_local_experts, HAS_MAP=expert_map is not None,
-        id_limit=expert_map.numel() if expert_map is not None else num_local_experts,
-        BLOCK=triton.next_power_of_2(min(numel, 1024)),
-    )
+    _check(topk_ids, num_local_experts, expert_map, method)
+    numel, device = topk_ids.numel(), topk_ids.device
+    if numel == 0:
+        return torch.zeros(num_local_experts, dtype=torch.int32, device=device)
+    limit = expert_map.numel() if expert_map is not None else num_local_experts
+    if method == "scan":
+        out = torch.empty(num_local_experts, dtype=torch.int32, device=device)
+        _count_scan_kernel[(num_local_experts,)](
+            topk_ids, expert_map, out, numel, limit, num_local_experts,
+            HAS_MAP=expert_map is not None, BLOCK=triton.next_power_of_2(min(numel, 1024)),
+        )  # fmt: skip
+        return out
+    on_gpu = device.type == "cuda" and not interpreting()
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) if on_gpu else _INTERPRETER_SMS
+    block, grid, warps, bins = _histogram_launch(numel, num_local_experts, sms)
+    solo = grid == 1
+    out = (torch.empty if solo else torch.zeros)(num_local_experts, dtype=torch.int32, device=device)
+    _count_histogram_kernel[(grid,)](
+        topk_ids, expert_map, out, numel, limit, num_local_experts,
+        HAS_MAP=expert_map is not None, BLOCK=block, NUM_BINS=bins, MASKED=_HISTOGRAM_HAS_MASK, SOLO=solo,
+        num_warps=warps,
+    )  # fmt: skip
     return out

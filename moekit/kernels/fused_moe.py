@@ -5,7 +5,8 @@ Shapes (numel = M * topk (token, slot) pairs, E local experts, BM = BLOCK_M)::
     a         [rows_a, K]     GEMM1: hidden [M, K] (pair i reads row i // topk)
                               GEMM2: activations [M * topk, K] (pair i reads row i)
     w         [E, N, K]       one [N, K] matrix per expert (w1, or w2 with N = hidden size)
-    out       [numel, N]      row i = pair i's result, unweighted
+    out       [M, topk, N]    out[m, j] = pair (m, j)'s result, unweighted (GEMM1: workspace13,
+                              GEMM2: the experts' output); pairs evenly strided
     blocks    AlignedBlocks   BM-row blocks of pairs, one expert each (moe_align_block_size)
     fp8 only: a_scale [rows_a, K/128] (1x128 groups), w_scale [E, N/128, K/128] (128x128 blocks)
 
@@ -13,22 +14,110 @@ One program computes a ``BLOCK_M x BLOCK_N`` tile: the rows of one block (all th
 times a column slice of that expert's matrix. Rows are gathered through ``sorted_token_ids``,
 so nothing is permuted in memory. A block of a remote expert (expert id -1) writes zeros.
 GEMM1 can also finish with silu_and_mul (and the fp8 requantization) in its epilogue
-(:class:`GatedOutput`), so the ``[numel, N]`` product never goes to memory. With
+(:class:`GatedOutput`), so the ``[M, topk, N]`` product never goes to memory. With
 ``KernelConfig.tma`` the weight tiles come through a TMA descriptor (fewer registers and
 address instructions); the gathered activation rows always use per-thread async copies.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moekit.device import interpreting
-from moekit.kernels.activation import round_for_store
+from moekit.errors import InvalidInputError, QuantizationError
+from moekit.kernels.activation import clamp_fp8, quantize_fp8_rows, round_for_store
 from moekit.kernels.align import AlignedBlocks
 from moekit.kernels.configs import KernelConfig
-from moekit.kernels.fused_moe_args import FP8, SCALE_BLOCK, GatedOutput, _check, _weight_descriptor
+from moekit.quant import FP8, FP8_GROUP, FP8_MAX, TINY_SCALE
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _weight_descriptor(w: torch.Tensor, config: KernelConfig) -> TensorDescriptor | None:
+    """A TMA descriptor of ``w`` as ``[E * N, K]`` with ``[BLOCK_N, BLOCK_K]`` boxes, or None
+    where TMA cannot read it (not contiguous, rows not a multiple of 16 bytes, unaligned base)."""
+    E, N, K = w.shape
+    if not w.is_contiguous() or (K * w.element_size()) % 16 or w.data_ptr() % 16 or w.numel() == 0:
+        return None
+    return TensorDescriptor(w.view(E * N, K), [E * N, K], [K, 1], [config.BLOCK_N, config.BLOCK_K])
+
+
+@dataclass
+class GatedOutput:
+    """GEMM1's fused epilogue: write ``silu(gate) * up`` instead of the raw product.
+
+    ``w`` holds gate rows then up rows (``[E, 2H, K]``) and ``out`` is ``[numel, H]``. When
+    ``out`` is fp8, the activation is also quantized with one scale per 1 x 128 group (BLOCK_N
+    must be 128): dynamic ``amax / 448`` into ``out_scale``, or ``static_scale`` (1 element,
+    or one per ``static_div`` consecutive pairs, e.g. per token with ``static_div = topk``).
+    """
+
+    out_scale: torch.Tensor | None = None
+    static_scale: torch.Tensor | None = None
+    static_div: int = 1
+
+
+def _check_float_pair(a, w) -> bool:
+    fp8 = a.dtype == FP8
+    if fp8 != (w.dtype == FP8):
+        raise QuantizationError(f"a and w must both be fp8 or both not, got {a.dtype} and {w.dtype}")
+    if not fp8 and (a.dtype != w.dtype or a.dtype not in _FLOATS):
+        raise InvalidInputError(f"a and w must share a float dtype (fp32/fp16/bf16), got {a.dtype} and {w.dtype}")
+    return fp8
+
+
+def _check(a, w, out, blocks, pairs_per_row, config, a_scale, w_scale, gated) -> bool:
+    if a.dim() != 2 or w.dim() != 3 or out.dim() != 3:
+        raise InvalidInputError(
+            f"expected a [rows, K], w [E, N, K], out [M, topk, N]; got {tuple(a.shape)}, "
+            f"{tuple(w.shape)}, {tuple(out.shape)}"
+        )
+    E, N, K = w.shape
+    width = N // 2 if gated else N
+    M, topk, N_out = out.shape
+    if a.shape[1] != K or M * topk != blocks.numel or N_out != width:
+        raise InvalidInputError(
+            f"a must be [rows, K={K}] and out [M, topk, {width}] with M*topk={blocks.numel} pairs, "
+            f"got {tuple(a.shape)} and {tuple(out.shape)}"
+        )
+    if M > 1 and topk > 1 and out.stride(0) != topk * out.stride(1):
+        raise InvalidInputError(f"out's pairs must be evenly strided (stride(0) == topk * stride(1)), got {out.stride()}")
+    if not isinstance(pairs_per_row, int) or pairs_per_row <= 0 or a.shape[0] * pairs_per_row < blocks.numel:
+        raise InvalidInputError(f"a has {a.shape[0]} rows for {blocks.numel} pairs at pairs_per_row={pairs_per_row!r}")
+    if not isinstance(config, KernelConfig) or config.BLOCK_M != blocks.block_m:
+        raise InvalidInputError(f"config must be a KernelConfig with BLOCK_M={blocks.block_m} (the blocks'), got {config!r}")
+    fp8 = _check_float_pair(a, w)
+    if out.dtype not in _FLOATS and not (gated and out.dtype == FP8):
+        raise InvalidInputError(f"out must be fp32/fp16/bf16 (or fp8 with a GatedOutput), got {out.dtype}")
+    if gated and N % 2:
+        raise InvalidInputError(f"a gated GEMM needs gate and up rows (even N), got N={N}")
+    if gated and out.dtype == FP8:
+        if width % FP8_GROUP or config.BLOCK_N != FP8_GROUP:
+            raise QuantizationError(f"fp8 output needs N/2 % 128 == 0 and BLOCK_N == 128, got {width}, {config.BLOCK_N}")
+        s, want = gated.out_scale, (blocks.numel, width // FP8_GROUP)
+        if s is None or tuple(s.shape) != want or s.dtype != torch.float32:
+            raise QuantizationError(f"fp8 output needs out_scale float32 {want}, got {None if s is None else s.shape}")
+        st = gated.static_scale
+        if st is not None and (st.dtype != torch.float32 or st.numel() not in (1, triton.cdiv(blocks.numel, gated.static_div))):
+            raise QuantizationError(f"static_scale must be float32, 1 or numel/static_div elements, got {st.shape}")
+    if not fp8:
+        return False
+    want_a, want_w = (a.shape[0], triton.cdiv(K, FP8_GROUP)), (E, triton.cdiv(N, FP8_GROUP), triton.cdiv(K, FP8_GROUP))
+    for name, scale, want in (("a_scale", a_scale, want_a), ("w_scale", w_scale, want_w)):
+        if scale is None or tuple(scale.shape) != want or scale.dtype != torch.float32:
+            got = "None" if scale is None else f"{scale.dtype} {tuple(scale.shape)}"
+            raise QuantizationError(f"fp8 needs {name} float32 {want}, got {got}")
+    if FP8_GROUP % config.BLOCK_K or K % FP8_GROUP or (gated and width % FP8_GROUP):
+        raise QuantizationError(
+            f"fp8 block GEMM needs K (and a gated N/2) % 128 == 0 and BLOCK_K dividing 128, got K={K}, N={N}, "
+            f"BLOCK_K={config.BLOCK_K}"
+        )
+    return True
 
 
 @triton.jit
@@ -67,9 +156,10 @@ def _fused_moe_kernel(
     stride_osm, stride_osg, stride_static, static_div,
     # Meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, IS_FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+    EVEN_K: tl.constexpr, IS_FP8: tl.constexpr, FP8_GROUP: tl.constexpr,
     GATED: tl.constexpr, QUANT_OUT: tl.constexpr, STATIC_OUT: tl.constexpr,
     W_TMA: tl.constexpr, UPCAST_BF16: tl.constexpr, DOT_IEEE: tl.constexpr, FIX_ROUNDING: tl.constexpr,
+    FP8_MAX: tl.constexpr, TINY: tl.constexpr,
 ):
     # N is the output width: with GATED, w has 2N rows (gate rows [0, N), up rows [N, 2N)).
     # GROUP_M row blocks sweep the columns together: neighbouring blocks are usually the same
@@ -97,7 +187,7 @@ def _fused_moe_kernel(
     if expert == -1:  # the expert lives on another rank: its rows contribute zero
         tl.store(out_ptrs, tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty), mask=out_mask)
         if QUANT_OUT:
-            tl.store(out_scale_ptrs, tl.full([BLOCK_M], 1e-10, tl.float32), mask=live)
+            tl.store(out_scale_ptrs, tl.full([BLOCK_M], TINY, tl.float32), mask=live)
         return
 
     # Padding rows read row 0 and columns past N wrap around: every load is in bounds without a
@@ -109,8 +199,8 @@ def _fused_moe_kernel(
     w_ptrs = w_ptr + expert * stride_we + col[None, :] * stride_wn + offs_k[:, None] * stride_wk
     if IS_FP8:
         a_scale_ptrs = a_scale_ptr + row * stride_asm
-        w_scale_ptrs = w_scale_ptr + expert * stride_wse + (col // SCALE_BLOCK) * stride_wsn
-        w_up_scale_ptrs = w_scale_ptr + expert * stride_wse + ((col + N) // SCALE_BLOCK) * stride_wsn
+        w_scale_ptrs = w_scale_ptr + expert * stride_wse + (col // FP8_GROUP) * stride_wsn
+        w_up_scale_ptrs = w_scale_ptr + expert * stride_wse + ((col + N) // FP8_GROUP) * stride_wsn
     # TMA: w viewed as [E * rows, K]; rows past this expert's (last column tile) belong to the
     # next expert or are zero-filled past the end, and those columns are never stored.
     w_row = (expert * (2 * N if GATED else N) + pid_n * BLOCK_N).to(tl.int32)
@@ -123,7 +213,7 @@ def _fused_moe_kernel(
         a = _load(a_ptrs, a_mask, EVEN_K)
         if IS_FP8:
             # One 1x128 activation scale per row and one 128x128 weight scale per column block.
-            group = (k * BLOCK_K) // SCALE_BLOCK
+            group = (k * BLOCK_K) // FP8_GROUP
             a_s = tl.load(a_scale_ptrs + group * stride_ask)
             w_s = tl.load(w_scale_ptrs + group * stride_wsk)
         else:
@@ -152,9 +242,9 @@ def _fused_moe_kernel(
     if QUANT_OUT:  # fp8 with one scale per row of this 128-wide group (as moekit.quant)
         if STATIC_OUT:
             scale = tl.load(static_ptr + (tl.where(live, pair, 0) // static_div) * stride_static)
+            acc = clamp_fp8(acc / scale[:, None], FP8_MAX)
         else:
-            scale = tl.maximum(tl.max(tl.abs(acc), axis=1) / 448.0, 1e-10)
-        acc = tl.clamp(acc / scale[:, None], -448.0, 448.0)
+            acc, scale = quantize_fp8_rows(acc, FP8_MAX, TINY)
         tl.store(out_scale_ptrs, scale, mask=live)
     if FIX_ROUNDING:
         acc = round_for_store(acc, out_ptr.dtype.element_ty)
@@ -192,8 +282,11 @@ def fused_moe_gemm(
     Args:
         a: ``[rows, K]`` activations, bf16/fp16/fp32 or fp8 e4m3 (then with ``a_scale``).
         w: ``[E, N, K]`` weights of the same dtype (fp8 with ``w_scale``).
-        out: ``[numel, N]`` (``[numel, N/2]`` when gated) destination, bf16/fp16/fp32 (bf16 for
-            fp8 inputs, or fp8 with ``gated.out_scale``); may be a view with a row stride.
+        out: ``[M, topk, N]`` (``[M, topk, N/2]`` when gated) destination with ``M * topk`` =
+            ``blocks.numel``, bf16/fp16/fp32 (bf16 for fp8 inputs, or fp8 with
+            ``gated.out_scale``); pair (m, j) is addressed through ``out.stride(1)`` and a column
+            through ``out.stride(2)``, as upstream's launcher did, so a 2-D ``out`` fails there
+            with torch's IndexError (the crash of bug 1; ``ModularKernel``'s guard names it first).
         blocks: from :func:`moekit.kernels.align.moe_align_block_size` with ``config.BLOCK_M``.
         pairs_per_row: pairs that share a row of ``a``: topk for GEMM1, 1 for GEMM2.
         config: tile sizes (:func:`moekit.kernels.configs.get_config`).
@@ -209,6 +302,11 @@ def fused_moe_gemm(
         InvalidInputError: shapes or dtypes do not fit together, or BLOCK_M differs from the blocks'.
         QuantizationError: fp8 without the right scales, K % 128 != 0, or BLOCK_K not dividing 128.
     """
+    # The kernel addresses pair (m, j) at m * stride(0) + j * stride(1) = pair * stride(1), and
+    # column n at n * stride(2). Read before the checks, as upstream's launcher did.
+    stride_pair, stride_col = out.stride(1), out.stride(2)
+    if out.shape[1] == 1:  # topk = 1: a size-1 dim's stride says nothing; pairs step by stride(0)
+        stride_pair = out.stride(0)
     fp8 = _check(a, w, out, blocks, pairs_per_row, config, a_scale, w_scale, gated)
     E, N, K = w.shape
     width = N // 2 if gated else N
@@ -232,11 +330,11 @@ def fused_moe_gemm(
         blocks.sorted_token_ids, blocks.expert_ids, blocks.num_tokens_post_padded, *epilogue[:2],
         w if w_desc is None else w_desc,
         width, K, blocks.numel, pairs_per_row, num_blocks,
-        a.stride(0), a.stride(1), *w.stride(), out.stride(0), out.stride(1), *scales[2:], *epilogue[2:],
-        EVEN_K=K % config.BLOCK_K == 0, IS_FP8=fp8, SCALE_BLOCK=SCALE_BLOCK,
+        a.stride(0), a.stride(1), *w.stride(), stride_pair, stride_col, *scales[2:], *epilogue[2:],
+        EVEN_K=K % config.BLOCK_K == 0, IS_FP8=fp8, FP8_GROUP=FP8_GROUP,
         GATED=gated is not None, QUANT_OUT=quant_out, STATIC_OUT=static is not None, W_TMA=w_desc is not None,
         UPCAST_BF16=interpreting() and a.dtype == torch.bfloat16,
-        DOT_IEEE=a.dtype == torch.float32, FIX_ROUNDING=interpreting(),
+        DOT_IEEE=a.dtype == torch.float32, FIX_ROUNDING=interpreting(), FP8_MAX=FP8_MAX, TINY=TINY_SCALE,
         **config.launch,
     )  # fmt: skip
     return out

@@ -19,28 +19,77 @@ The contiguous layout for counts = [3, 0, 130] and M_sum = 512::
 Within an expert, rows are placed in the order an atomic counter hands out; the order does not
 change any result (every output row depends on its own input row only), but ``inv_perm`` may
 differ between GPU runs.
+
+The way back, :func:`unpermute_from_contiguous`, gathers GEMM2's rows into the experts' output
+in (token, slot) order; slots without a row (empty, or another rank's expert) get zeros.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from moekit.errors import InvalidInputError
-from moekit.kernels.contiguous_layout import (
-    ALIGN,
-    FP8,
-    MISMATCH,
-    OVERFLOW,
-    ContiguousLayout,
-    alloc_layout,
-    column_major_scale,
-)
-from moekit.kernels.unpermute import unpermute_from_contiguous
+from moekit.quant import FP8, FP8_GROUP
 from moekit.validate import check_ids
+
+ALIGN_M = 128  # rows per block of the contiguous layout (DeepGEMM's m-alignment on Hopper)
+OVERFLOW = 1  # ContiguousLayout.flags bits
+MISMATCH = 2
+
+
+@dataclass
+class ContiguousLayout:
+    """The permuted activations and the indices that describe them (shapes: :mod:`moekit.kernels.permute`).
+
+    ``expert_start`` is int32 ``[E + 1]``: where each expert's padded segment starts, and the
+    total padded rows last. ``block_rows`` is int32 ``[M_sum / 128]``: rows holding data at the
+    start of each 128-row block (0 for blocks of pure padding). ``cursor`` is scratch; after
+    the permute it is ``expert_start[:-1]`` plus the pairs routed to each expert. ``flags`` is
+    int32 ``[1]``: bit :data:`OVERFLOW` when ``counts`` undercount an expert or need more rows
+    than M_sum (the rows that do not fit are dropped, never written out of bounds), bit
+    :data:`MISMATCH` when ``counts`` differ at all from the pairs ``topk_ids`` route.
+    """
+
+    a: torch.Tensor
+    a_scale: torch.Tensor
+    m_indices: torch.Tensor
+    inv_perm: torch.Tensor
+    block_rows: torch.Tensor
+    expert_start: torch.Tensor
+    cursor: torch.Tensor
+    flags: torch.Tensor
+
+    @property
+    def num_rows(self) -> int:
+        return self.a.shape[0]
+
+
+def column_major_scale(num_rows: int, groups: int, *, device, storage: torch.Tensor | None = None) -> torch.Tensor:
+    """A ``[num_rows, groups]`` fp32 view over column-major storage ``[groups, round_up(num_rows, 4)]``."""
+    padded = (num_rows + 3) // 4 * 4
+    if storage is None:
+        storage = torch.empty(groups * padded, dtype=torch.float32, device=device)
+    return storage[: groups * padded].view(groups, padded)[:, :num_rows].t()
+
+
+def alloc_layout(num_rows: int, K: int, num_pairs: int, num_experts: int, *, device) -> ContiguousLayout:
+    """Fresh buffers for a layout of ``num_rows`` rows (experts carve theirs from workspaces)."""
+    i32 = dict(dtype=torch.int32, device=device)
+    return ContiguousLayout(
+        a=torch.empty(num_rows, K, dtype=FP8, device=device),
+        a_scale=column_major_scale(num_rows, math.ceil(K / FP8_GROUP), device=device),
+        m_indices=torch.empty(num_rows, **i32),
+        inv_perm=torch.empty(num_pairs, **i32),
+        block_rows=torch.empty(num_rows // ALIGN_M, **i32),
+        expert_start=torch.empty(num_experts + 1, **i32),
+        cursor=torch.empty(num_experts, **i32),
+        flags=torch.empty(1, **i32),
+    )
 
 
 @triton.jit
@@ -181,7 +230,7 @@ def permute_to_contiguous(
     E = counts.numel()
     if a1q.dtype != FP8 or a1q.stride(1) != 1:
         raise InvalidInputError(f"a1q must be float8_e4m3fn [M, K] with unit column stride, got {a1q.dtype} {a1q.stride()}")
-    G = math.ceil(K / ALIGN)
+    G = math.ceil(K / FP8_GROUP)
     if tuple(a1q_scale.shape) != (M, G) or a1q_scale.dtype != torch.float32:
         raise InvalidInputError(f"a1q_scale must be float32 {(M, G)}, got {a1q_scale.dtype} {tuple(a1q_scale.shape)}")
     if topk_ids.shape[0] != M or counts.dtype != torch.int32 or counts.dim() != 1 or E == 0:
@@ -189,8 +238,8 @@ def permute_to_contiguous(
             f"expected topk_ids [M={M}, topk] and int32 counts [E>0], got {tuple(topk_ids.shape)} and "
             f"{counts.dtype} {tuple(counts.shape)}"
         )
-    if num_rows % ALIGN:
-        raise InvalidInputError(f"num_rows must be a multiple of {ALIGN}, got {num_rows}")
+    if num_rows % ALIGN_M:
+        raise InvalidInputError(f"num_rows must be a multiple of {ALIGN_M}, got {num_rows}")
     layout = out if out is not None else alloc_layout(num_rows, K, M * topk, E, device=a1q.device)
     if tuple(layout.a.shape) != (num_rows, K) or layout.inv_perm.numel() != M * topk or layout.cursor.numel() != E:
         raise InvalidInputError(
@@ -199,7 +248,7 @@ def permute_to_contiguous(
         )
     BLOCK_E = triton.next_power_of_2(E)
     _expert_offsets_kernel[(1,)](
-        counts, layout.expert_start, layout.cursor, layout.flags, E, num_rows, ALIGN_M=ALIGN, BLOCK_E=BLOCK_E
+        counts, layout.expert_start, layout.cursor, layout.flags, E, num_rows, ALIGN_M=ALIGN_M, BLOCK_E=BLOCK_E
     )
     if M > 0:
         emap = expert_map if expert_map is not None else topk_ids  # a dummy pointer when unused
@@ -213,21 +262,74 @@ def permute_to_contiguous(
             BLOCK_K=min(triton.next_power_of_2(K), 1024), BLOCK_G=triton.next_power_of_2(G),
         )  # fmt: skip
     if num_rows > 0:
-        _block_experts_kernel[(num_rows // ALIGN,)](
+        _block_experts_kernel[(num_rows // ALIGN_M,)](
             counts, layout.expert_start, layout.cursor, layout.m_indices, layout.block_rows, layout.flags,
             E, num_rows,
-            ALIGN_M=ALIGN, BLOCK_E=BLOCK_E,
+            ALIGN_M=ALIGN_M, BLOCK_E=BLOCK_E,
         )  # fmt: skip
     return layout
 
 
-__all__ = [
-    "ALIGN",
-    "MISMATCH",
-    "OVERFLOW",
-    "ContiguousLayout",
-    "alloc_layout",
-    "column_major_scale",
-    "permute_to_contiguous",
-    "unpermute_from_contiguous",
-]
+@triton.jit
+def _gather_rows_kernel(
+    # Pointers
+    rows_ptr, inv_perm_ptr, out_ptr,
+    # Sizes
+    num_pairs, K, stride_rm, stride_om,
+    # Meta-parameters
+    BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    p = tl.program_id(0).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
+    pmask = p < num_pairs
+    row = tl.load(inv_perm_ptr + p, mask=pmask, other=-1).to(tl.int64)
+    has = row >= 0
+    offs_k = tl.arange(0, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = k0 + offs_k < K
+        x = tl.load(rows_ptr + row[:, None] * stride_rm + k0 + offs_k[None, :], mask=has[:, None] & kmask[None, :], other=0.0)
+        dst = out_ptr + p[:, None] * stride_om + k0 + offs_k[None, :]
+        tl.store(dst, x.to(out_ptr.dtype.element_ty), mask=pmask[:, None] & kmask[None, :])
+
+
+def unpermute_from_contiguous(rows: torch.Tensor, inv_perm: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+    """Gather the layout's rows back into ``out``, one row per (token, slot); empty slots get zeros.
+
+    In plain Python (``pair = m * topk + j``)::
+
+        for pair in range(M * topk):
+            r = inv_perm[pair]
+            out.view(-1, K)[pair] = rows[r] if r >= 0 else 0
+
+    ``out`` is written through ``out.view(-1, K)``, as upstream's ``index_select(..., out=
+    output.view(-1, K))`` did after PR #20392: the experts' output is ``[M, topk, K]``, and a
+    pre-fix ``[M * topk, K]`` one is written the same way.
+
+    Upstream (2025-07) computed the rows of non-local experts with expert 0's weights and
+    relied on their router weights being 0 at finalize; moekit writes zeros instead, as its
+    Triton experts do, so the result is right whatever those weights are.
+
+    Args:
+        rows: ``[M_sum, >=K]`` GEMM2 output (unit column stride). inv_perm: int32 ``[M * topk]``.
+        out: ``M * topk`` rows of ``K`` (``[M, topk, K]``, or ``[M * topk, K]``), contiguous rows,
+            written in place and returned.
+    """
+    if rows.dim() != 2 or rows.stride(1) != 1 or out.dim() < 2 or out.stride(-1) != 1:
+        raise InvalidInputError(
+            f"expected rows [M_sum, K] and out [..., K] with unit last strides, got "
+            f"{tuple(rows.shape)} {rows.stride()} and {tuple(out.shape)} {out.stride()}"
+        )
+    K = out.shape[-1]
+    pairs = out.numel() // K if K else 0
+    if inv_perm.numel() != pairs or rows.shape[1] < K:
+        raise InvalidInputError(
+            f"inv_perm must have one entry per output row ({pairs}) and rows >= {K} columns, got "
+            f"{inv_perm.numel()} and {rows.shape[1]}"
+        )
+    flat = out.view(-1, K)
+    if pairs > 0:
+        BLOCK_P = 8
+        _gather_rows_kernel[(triton.cdiv(pairs, BLOCK_P),)](
+            rows, inv_perm, flat, pairs, K, rows.stride(0), flat.stride(0),
+            BLOCK_P=BLOCK_P, BLOCK_K=min(triton.next_power_of_2(K), 1024),
+        )  # fmt: skip
+    return out

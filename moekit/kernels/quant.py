@@ -19,10 +19,8 @@ import triton.language as tl
 
 from moekit.device import interpreting
 from moekit.errors import QuantizationError
-from moekit.kernels.activation import round_for_store
-
-FP8 = torch.float8_e4m3fn
-GROUP = 128
+from moekit.kernels.activation import quantize_fp8_rows, round_for_store
+from moekit.quant import FP8, FP8_GROUP, FP8_MAX, TINY_SCALE
 
 
 @triton.jit
@@ -49,15 +47,14 @@ def _quantize_fp8_group_kernel(
     mask = (rows[:, None] < M) & (cols[None, :] < K)
     offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=1) / FP8_MAX, TINY)
-    q = tl.clamp(x / scale[:, None], -FP8_MAX, FP8_MAX)
+    q, scale = quantize_fp8_rows(x, FP8_MAX, TINY)  # NaN propagates, as in the torch spec
     if FIX_ROUNDING:  # the interpreter's fp32 -> fp8 cast drops carries (see activation.py)
         q = round_for_store(q, q_ptr.dtype.element_ty)
     tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + rows * stride_sr + g * stride_sg, scale, mask=rows < M)
 
 
-def quantize_fp8_group(x: torch.Tensor, *, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_group(x: torch.Tensor, *, group: int = FP8_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize contiguous ``x [M, K]`` to fp8; returns ``(q [M, K], scale [M, ceil(K/group)] fp32)``.
 
     Row-major scales (what the modular kernel slices per chunk). Same numbers as
@@ -65,6 +62,8 @@ def quantize_fp8_group(x: torch.Tensor, *, group: int = GROUP) -> tuple[torch.Te
     """
     if x.dim() != 2 or not x.is_floating_point() or x.dtype == FP8:
         raise QuantizationError(f"activations must be a 2-D bf16/fp16/fp32 tensor, got {x.dtype} {tuple(x.shape)}")
+    if isinstance(group, bool) or not isinstance(group, int) or group <= 0 or group & (group - 1):
+        raise QuantizationError(f"group must be a positive power of two (128 for DeepGEMM), got {group!r}")
     x = x.contiguous()
     M, K = x.shape
     G = triton.cdiv(K, group)
@@ -76,6 +75,6 @@ def quantize_fp8_group(x: torch.Tensor, *, group: int = GROUP) -> tuple[torch.Te
     grid = (triton.cdiv(M, block_r), G)
     _quantize_fp8_group_kernel[grid](
         x, q, scale, M, K, scale.stride(0), scale.stride(1),
-        GROUP=group, BLOCK_R=block_r, FP8_MAX=448.0, TINY=1e-10, FIX_ROUNDING=interpreting(),
+        GROUP=group, BLOCK_R=block_r, FP8_MAX=FP8_MAX, TINY=TINY_SCALE, FIX_ROUNDING=interpreting(),
     )
     return q, scale

@@ -74,6 +74,7 @@ class All2AllPrepareFinalize(PrepareFinalize):
 
     activation_format = ActivationFormat.STANDARD
     collective = True
+    dispatches = True
 
     def __init__(self, *, group=None, timeout_s: float | None = None):
         if timeout_s is not None and not timeout_s > 0:
@@ -96,7 +97,7 @@ class All2AllPrepareFinalize(PrepareFinalize):
         return dist.get_rank(self.group), dist.get_world_size(self.group)
 
     def _check_placement(self, placement: ExpertPlacement, rank: int, world: int, device) -> None:
-        E, E_local = placement.num_global_experts, placement.num_local_experts
+        E, E_local = placement.global_num_experts, placement.num_local_experts
         if E != world * E_local:
             raise InvalidInputError(
                 f"expert parallelism over {world} ranks needs E_global = {world} x E_local, got "
@@ -151,7 +152,7 @@ class All2AllPrepareFinalize(PrepareFinalize):
         rank, world = self._world()
         device = hidden.device
         self._check_placement(placement, rank, world, device)
-        E, E_local = placement.num_global_experts, placement.num_local_experts
+        E, E_local = placement.global_num_experts, placement.num_local_experts
         M, topk = topk_ids.shape
         K = hidden.shape[1]
 

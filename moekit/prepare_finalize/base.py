@@ -23,6 +23,9 @@ class PrepareFinalize(ABC):
     # True for stages whose prepare/finalize are collectives (an all-to-all): every rank must
     # call them, even a rank with M=0, or the others hang.
     collective: ClassVar[bool] = False
+    # True when the experts see other rows than the caller's tokens (rows received from other
+    # ranks, or per-expert slabs): per-token values such as a per-token a2_scale cannot follow.
+    dispatches: ClassVar[bool] = False
 
     @property
     def name(self) -> str:

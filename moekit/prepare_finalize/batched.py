@@ -71,6 +71,7 @@ class BatchedPrepareFinalize(PrepareFinalize):
     """
 
     activation_format = ActivationFormat.BATCHED
+    dispatches = True
 
     def __init__(self, *, max_tokens: int):
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:

@@ -15,7 +15,16 @@ and are tested against the count kernel and the trace.
 """
 
 from moekit.viz._figure import new_axes
-from moekit.viz.bench import bench_results, plot_bench, plot_bench_grid, summary_rows
+from moekit.viz.bench import (
+    bench_results,
+    count_timing_rows,
+    latest_result,
+    load_anchors,
+    plot_bench,
+    plot_bench_grid,
+    plot_count_timings,
+    summary_rows,
+)
 from moekit.viz.chunks import (
     chunk_counts,
     expert_weight_bytes,
@@ -33,10 +42,14 @@ __all__ = [
     "Table",
     "bench_results",
     "chunk_counts",
+    "count_timing_rows",
     "expert_weight_bytes",
+    "latest_result",
+    "load_anchors",
     "new_axes",
     "plot_bench",
     "plot_bench_grid",
+    "plot_count_timings",
     "plot_counts_heatmap",
     "plot_counts_vs_whole",
     "plot_stacked_chunks",

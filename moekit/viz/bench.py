@@ -1,6 +1,6 @@
 """Recorded benchmark results (``benchmarks/results/*.json``): load them, tabulate, plot.
 
-The files are written by ``python -m moekit.bench`` (see :mod:`moekit.bench.common`): each holds
+The files are written by ``python -m benchmarks.harness`` in a checkout: each holds
 ``{"name", "environment", "rows", ...}``. Three kinds are drawn:
 
 - ``layer-*``: time per call against M for each peer, with the floor and the H200 anchors;
@@ -43,6 +43,50 @@ def bench_results(directory: str | Path | None = None) -> list[dict]:
             raise ValueError(f"{path} is not a benchmark record (expected a JSON object)")
         records.append(_normalized(record, path))
     return sorted(records, key=lambda r: (r["name"], r["environment"].get("date", "")))
+
+
+def latest_result(name: str, directory: str | Path | None = None) -> dict | None:
+    """The newest record whose name is ``name`` (by the date in its file name), or None."""
+    matching = [r for r in bench_results(directory) if r["name"] == name]
+    return max(matching, key=lambda r: (r["environment"].get("date", ""), r["path"])) if matching else None
+
+
+def load_anchors(path: str | Path) -> dict:
+    """``benchmarks/anchors.json``: ``{(shape, dtype, M): {peer: us}}`` and the recorded floors
+    ``{(shape, dtype, M): us}``, as ``{"anchors": ..., "floors": ...}``."""
+    data = json.loads(Path(path).read_text())
+    key = lambda e: (e["shape"], e["dtype"], e["M"])
+    anchors = {key(e): e["values"] for e in data["anchors"]}
+    return {"anchors": anchors, "floors": {key(e): e["us"] for e in data["floors"]}}
+
+
+def count_timing_rows(record: dict) -> list[dict]:
+    """One row per (case, method) of a count record: eager and CUDA-graph medians, rounded."""
+    rows = []
+    for r in _ok(record["rows"]):
+        graph = r.get("graph_us")
+        rows.append({"ids": f"{r['M']}x{r['topk']}", "E": r["E"], "ep": r.get("ep", 1), "method": r["method"],
+                     "eager us": round(r["us"], 1), "graph us": None if graph is None else round(graph, 1)})
+    return rows
+
+
+def plot_count_timings(record: dict):
+    """Eager (left) and CUDA-graph (right) medians per case, one bar per method (log scale)."""
+    fig, axes = new_axes(2, width=6.4)
+    rows = _ok(record["rows"])
+    case = lambda r: (r["M"], r["topk"], r["E"], r.get("ep", 1))
+    cases = sorted({case(r) for r in rows})
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    width = 0.8 / max(1, len(methods))
+    for ax, key, title in ((axes[0], "us", "eager"), (axes[1], "graph_us", "CUDA graph")):
+        for i, method in enumerate(methods):
+            us = {case(r): r.get(key) for r in rows if r["method"] == method}
+            xs = [c + (i - (len(methods) - 1) / 2) * width for c in range(len(cases))]
+            ax.bar(xs, [us.get(c) or float("nan") for c in cases], width=width, label=method)
+        ax.set_xticks(range(len(cases)), [f"{m}x{k}\nE={e} ep={p}" for m, k, e, p in cases], fontsize=6)
+        ax.set(yscale="log", ylabel="median us", title=f"{title}, {record['environment'].get('gpu', '?')}")
+    axes[0].legend(fontsize=7)
+    return fig
 
 
 def _normalized(record: dict, path: Path) -> dict:
@@ -175,7 +219,7 @@ def plot_bench_grid(records: Sequence[dict], *, ncols: int = 2):
     if not records:
         fig, (ax,) = new_axes(1, height=1.5)
         ax.axis("off")
-        ax.text(0.5, 0.5, "no benchmark results recorded yet (python -m moekit.bench ...)", ha="center")
+        ax.text(0.5, 0.5, "no benchmark results recorded yet (python -m benchmarks.harness ...)", ha="center")
         return fig
     ncols = min(ncols, len(records))
     fig, axes = new_axes(ncols, nrows=-(-len(records) // ncols), width=6.0, height=4.4)

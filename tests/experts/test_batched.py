@@ -24,11 +24,10 @@ from moekit.quant import (
 )
 from moekit.reference import count_reference, moe_reference
 from moekit.routing import uniform_router
-from moekit.testing import assert_close, expect_raises
+from moekit.testing import assert_close, expect_raises, experts_call
 from moekit.types import (
     ActivationFormat,
     ExpertPlacement,
-    ExpertsCall,
     ExpertTokensMetadata,
     MoEWeights,
     ProblemSize,
@@ -167,18 +166,9 @@ def _direct_call(cls, counts, *, meta=True):
     prepared = BatchedPrepareFinalize(max_tokens=M).prepare(
         hidden, torch.ones(ids.shape), ids, quant=QuantScheme.NONE, placement=ExpertPlacement(E, E)
     )
-    shapes = cls().workspace_shapes(ProblemSize(M, N, K, 1, E, E), act_dtype=torch.float32)
-    call = ExpertsCall(
-        output=torch.full(shapes.output, POISON),
-        hidden=prepared.a1q,
-        hidden_scale=None,
-        topk_ids=ids,
-        weights=MoEWeights(w1, w2),
-        workspace13=torch.full(shapes.workspace13, float("nan")),  # stale bytes must not leak
-        workspace2=torch.full(shapes.workspace2, float("nan")),
-        global_num_experts=E,
-        tokens_meta=prepared.tokens_meta if meta else None,
-    )
+    call = experts_call(cls(), prepared.a1q, ids, MoEWeights(w1, w2), fill=float("nan"),  # stale bytes must not leak
+                        tokens_meta=prepared.tokens_meta if meta else None)  # fmt: skip
+    call.output.fill_(POISON)
     return call, hidden, ids
 
 
@@ -206,10 +196,16 @@ def test_apply_needs_matching_tokens_meta(cls):
 
 
 @pytest.mark.parametrize("cls", CLASSES)
-def test_fp8_experts_reject_unquantized_activations(cls):
-    call, _, _ = _direct_call(cls, [2, 1])
+def test_fp8_experts_refuse_bf16_weights_and_any_a2_scale(cls):
+    hidden, w1, w2, weights, ids = _layer(12, 128, 256, 4, 2, torch.float32)
+    fp8 = moekit.ModularKernel(BatchedPrepareFinalize(max_tokens=24), cls(quant=QuantScheme.FP8_BLOCK))
     with expect_raises(QuantizationError, match="fp8"):
-        cls(quant=QuantScheme.FP8_BLOCK).apply(call)
+        fp8(hidden, w1, w2, weights, ids)
+    (q1, s1), (q2, s2) = quantize_fp8_block(w1), quantize_fp8_block(w2)
+    # Batched experts requantize with dynamic scales; a static a2_scale used to be ignored silently.
+    for a2 in (torch.tensor([0.01]), torch.full((12,), 0.01)):
+        with expect_raises(QuantizationError, match="a2_scale"):
+            fp8(hidden, q1, q2, weights, ids, w1_scale=s1, w2_scale=s2, a2_scale=a2)
 
 
 @pytest.mark.gpu

@@ -17,9 +17,8 @@ from moekit.quant import (
 )
 from moekit.reference import count_reference, moe_reference
 from moekit.routing import contiguous_expert_map, uniform_router
-from moekit.testing import assert_close, expect_raises
-from moekit.types import ExpertsCall, ExpertTokensMetadata, MoEWeights, ProblemSize, QuantScheme
-from moekit.workspace import WorkspacePool
+from moekit.testing import assert_close, expect_raises, experts_call
+from moekit.types import ExpertPlacement, ExpertTokensMetadata, MoEWeights, ProblemSize, QuantScheme
 
 FP8 = torch.float8_e4m3fn
 
@@ -54,18 +53,15 @@ def run(kernel, hidden, w: MoEWeights, weights, ids, **kw):
     return kernel(hidden, w.w1, w.w2, weights, ids, w1_scale=w.w1_scale, w2_scale=w.w2_scale, **kw)
 
 
-def apply_direct(experts, hidden, w, ids, *, tokens_meta=None, expert_map=None, E_global=None):
+def apply_direct(experts, hidden, w, ids, *, tokens_meta=None, expert_map=None, E_global=None, guard=True):
     """One experts call outside the modular kernel; returns (backend, unweighted [M, topk, K])."""
-    M, K = hidden.shape
-    E, N, _ = w.w1.shape
-    problem = ProblemSize(M, N, K, ids.shape[1], E_global or E, E)
-    shapes = experts.workspace_shapes(problem, act_dtype=FP8, tokens_meta=tokens_meta)
-    views = WorkspacePool(hidden.device).take(shapes)
+    E = w.w1.shape[0]
     q, s = quantize_fp8_per_token_group(hidden)
-    out = torch.full(shapes.output, float("nan"), dtype=torch.bfloat16, device=hidden.device)
-    call = ExpertsCall(out, q, s, ids, w, views.workspace13, views.workspace2, E_global or E,
-                       expert_map=expert_map, tokens_meta=tokens_meta)  # fmt: skip
-    return experts.apply(call), out
+    placement = ExpertPlacement(E_global or E, E, expert_map)
+    call = experts_call(experts, q, ids, w, hidden_scale=s, placement=placement, tokens_meta=tokens_meta,
+                        fill=float("nan"))  # fmt: skip
+    call.guard = guard
+    return experts.apply(call), call.output
 
 
 @pytest.mark.parametrize("M,K,N,E,topk", [(40, 128, 256, 4, 2), (13, 256, 128, 3, 3)])
@@ -152,7 +148,7 @@ def test_gemm2_k_not_a_multiple_of_128(device):
 
 def test_workspace_shapes():
     dg = DeepGemmExperts()
-    p = ProblemSize(M=4, N=256, K=512, topk=2, num_global_experts=64, num_local_experts=16)
+    p = ProblemSize(M=4, N=256, K=512, topk=2, global_num_experts=64, num_local_experts=16)
     shapes = dg.workspace_shapes(p, act_dtype=FP8)
     # At most M*topk = 8 experts are non-empty, so the worst case pads 8 segments, not 16.
     M_sum = (8 + 127 * 8 + 127) // 128 * 128
@@ -163,10 +159,24 @@ def test_workspace_shapes():
     cpu = torch.tensor([0] * 15 + [129], dtype=torch.int32)
     meta = ExpertTokensMetadata(torch.zeros(16, dtype=torch.int32), cpu)
     assert dg.workspace_shapes(p.with_M(100), act_dtype=FP8, tokens_meta=meta).workspace13[0] == 256
-    with pytest.raises(StaleMetadataError, match="M\\*topk = 4\\*2 = 8"):
-        dg.workspace_shapes(p, act_dtype=FP8, tokens_meta=meta)
+    # Counts for a larger batch size the layout all the same: 256 rows for M=4 (the soft cost
+    # of stale counts); it is apply that refuses them, under the guard.
+    assert dg.workspace_shapes(p, act_dtype=FP8, tokens_meta=meta).workspace13[0] == 256
+    (q1, s1), (q2, s2) = quantize_fp8_block(torch.randn(16, 192, 512)), quantize_fp8_block(torch.randn(16, 512, 96))
     with pytest.raises(QuantizationError, match="multiples of 128"):
-        dg.workspace_shapes(ProblemSize(4, 192, 512, 2, 16, 16), act_dtype=FP8)
+        dg.check(ProblemSize(4, 192, 512, 2, 16, 16), MoEWeights(q1, q2, s1, s2))
+
+
+def test_stale_counts_are_refused_under_the_guard_and_trusted_without(device):
+    hidden, w, weights, ids = layer(4, 128, 256, 4, 2, device)
+    # Whole-batch counts over-count every expert of a chunk: 8 + 9 = 17 pairs for 4 x 2 slots.
+    stale = count_reference(ids, 4).cpu() + torch.tensor([5, 0, 1, 3], dtype=torch.int32)
+    meta = ExpertTokensMetadata(stale.to(device), stale)
+    with pytest.raises(StaleMetadataError, match="M\\*topk = 4 tokens x 2 slots = 8 pairs"):
+        apply_direct(DeepGemmExperts(), hidden, w, ids, tokens_meta=meta)
+    # Unguarded, as upstream after #20903: a larger layout (the soft cost), the same result.
+    _, out = apply_direct(DeepGemmExperts(), hidden, w, ids, tokens_meta=meta, guard=False)
+    check(out, hidden, w, weights, ids, apply_weights=False)
 
 
 def test_construction_errors():

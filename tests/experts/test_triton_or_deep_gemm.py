@@ -70,15 +70,45 @@ def test_switches_backend_inside_one_forward(M, backends, device):
     check(out, hidden, w, weights, ids)
 
 
-def test_once_policy_fails_named_or_raw(device):
+def test_once_policy_fails_named_under_the_guard(device):
     hidden, w, weights, ids = layer(130, device)
     with expect_raises(WorkspaceShapeError, match="bug 1"):
         run(kernel(chunk_size=128, workspace_policy="once"), hidden, w, weights, ids)
-    # Without the guard, the Triton chunk meets DeepGemm-shaped buffers: torch's own error,
-    # the crash users met before the fix.
-    with pytest.raises(RuntimeError) as raw:
-        run(kernel(chunk_size=128, workspace_policy="once", guard=False), hidden, w, weights, ids)
+
+
+@pytest.mark.parametrize("M,C", [(130, 128), (257, 128), (300, 256)])
+def test_the_pre_fix_run_crashes_as_upstream_did(M, C, device):
+    # The parent commit (41060c6e0): workspaces declared once at the chunk size and carved with
+    # prefix views (the Triton chunk's caches fit in DeepGEMM's larger buffers), the whole output
+    # declared by DeepGEMM's rule as 2-D (M*topk, K), and the Triton chunk handed a 2-D slice:
+    # its launcher reads output.stride(2), and torch raises IndexError. No moekit check involved.
+    hidden, w, weights, ids = layer(M, device)
+    pre_fix = moekit.ModularKernel(NoEPPrepareFinalize(), TritonOrDeepGemmExperts(flat_output=True), chunk_size=C,
+                                   workspace_policy="once", guard=False)  # fmt: skip
+    upstream = r"Dimension out of range \(expected to be in range of \[-2, 1\], but got 2\)"
+    with pytest.raises(IndexError, match=upstream) as raw:
+        run(pre_fix, hidden, w, weights, ids)
     assert not isinstance(raw.value, MoekitError)
+    *full, last = pre_fix.last_trace.chunks
+    assert all(deep_gemm_ish(c.backend) and c.completed for c in full)
+    assert last.backend == "triton" and not last.completed and last.output_shape == ((M - C * len(full)) * TOPK, K)
+    assert last.shapes == full[0].shapes != last.needed  # handed DeepGEMM's buffers, needed Triton's
+
+
+def test_the_fix_has_two_parts(device):
+    # (b) alone, one output layout, avoids this crash (the Triton caches fit DeepGEMM's buffers);
+    # (a) alone, per-chunk workspaces, does not: the 2-D output still reaches the Triton chunk.
+    hidden, w, weights, ids = layer(130, device)
+    b_only = moekit.ModularKernel(NoEPPrepareFinalize(), TritonOrDeepGemmExperts(), chunk_size=128,
+                                  workspace_policy="once", guard=False)  # fmt: skip
+    check(run(b_only, hidden, w, weights, ids), hidden, w, weights, ids)
+    a_only = moekit.ModularKernel(NoEPPrepareFinalize(), TritonOrDeepGemmExperts(flat_output=True), chunk_size=128,
+                                  guard=False)  # fmt: skip
+    with pytest.raises(IndexError):
+        run(a_only, hidden, w, weights, ids)
+    named = moekit.ModularKernel(NoEPPrepareFinalize(), TritonOrDeepGemmExperts(flat_output=True), chunk_size=128)
+    with expect_raises(WorkspaceShapeError, match="same output layout"):
+        run(named, hidden, w, weights, ids)
 
 
 @pytest.mark.parametrize("M,dg", [(127, False), (128, True)])

@@ -7,7 +7,7 @@ import torch
 
 from moekit.errors import InvalidInputError
 from moekit.kernels.contiguous_gemm import GemmConfig, contiguous_gemm
-from moekit.kernels.permute import ALIGN, permute_to_contiguous
+from moekit.kernels.permute import ALIGN_M, permute_to_contiguous
 from moekit.quant import (
     dequantize_fp8_block,
     dequantize_fp8_per_token_group,
@@ -22,7 +22,7 @@ def layout(M, K, topk, E, device, *, extra_blocks=1):
     q, s = quantize_fp8_per_token_group(torch.randn(M, K, device=device))
     ids = torch.randint(-1, E, (M, topk), device=device)
     counts = count_reference(ids, E)
-    num_rows = int(((counts.long() + ALIGN - 1) // ALIGN * ALIGN).sum()) + extra_blocks * ALIGN
+    num_rows = int(((counts.long() + ALIGN_M - 1) // ALIGN_M * ALIGN_M).sum()) + extra_blocks * ALIGN_M
     return permute_to_contiguous(q, s, ids, counts, num_rows=num_rows)
 
 

@@ -44,10 +44,10 @@ def test_matches_torch(device, dtype, stage, M, K, N, E, topk):
     w = (torch.randn(E, N, K, device=device) / K**0.5).to(dtype)
     ppr = topk if stage == 1 else 1
     blocks = moe_align_block_size(ids, CFG.BLOCK_M, E)
-    out = torch.empty(M * topk, N, device=device, dtype=dtype)
+    out = torch.empty(M, topk, N, device=device, dtype=dtype)  # one row per (token, slot)
     fused_moe_gemm(a, w, out, blocks, pairs_per_row=ppr, config=CFG)
     # bf16 here also proves the interpreter workaround: a raw bf16 tl.dot gives values ~1e10.
-    assert_close(out, gemm_spec(a, w, ids, ppr), dtype=dtype)
+    assert_close(out.flatten(0, 1), gemm_spec(a, w, ids, ppr), dtype=dtype)
 
 
 def test_remote_blocks_write_zeros_and_dropped_rows_are_untouched(device):
@@ -57,8 +57,9 @@ def test_remote_blocks_write_zeros_and_dropped_rows_are_untouched(device):
     a = torch.randn(M, K, device=device)
     w = torch.randn(4, N, K, device=device)
     blocks = moe_align_block_size(ids, 16, E, emap, num_local_experts=4)
-    out = torch.full((M * topk, N), 7.0, device=device)
-    fused_moe_gemm(a, w, out, blocks, pairs_per_row=topk, config=CFG)
+    out3 = torch.full((M, topk, N), 7.0, device=device)
+    fused_moe_gemm(a, w, out3, blocks, pairs_per_row=topk, config=CFG)
+    out = out3.flatten(0, 1)
     flat = ids.reshape(-1)
     expected = gemm_spec(a, w, ids, topk, emap)
     placed = flat >= 0
@@ -76,10 +77,10 @@ def test_fp8_block_scales(device, block_k):
     wq, w_s = quantize_fp8_block(torch.randn(E, N, K, device=device) / 16)
     cfg = KernelConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k)
     blocks = moe_align_block_size(ids, 16, E)
-    out = torch.empty(M * topk, N, device=device, dtype=torch.bfloat16)
+    out = torch.empty(M, topk, N, device=device, dtype=torch.bfloat16)
     fused_moe_gemm(aq, wq, out, blocks, pairs_per_row=topk, config=cfg, a_scale=a_s, w_scale=w_s)
     expected = gemm_spec(dequantize_fp8_per_token_group(aq, a_s), dequantize_fp8_block(wq, w_s), ids, topk)
-    assert_close(out, expected, dtype=torch.bfloat16)  # the same dequantized products, bf16 output
+    assert_close(out.flatten(0, 1), expected, dtype=torch.bfloat16)  # the same dequantized products, bf16 output
 
 
 def test_fp8_column_major_activation_scales(device):
@@ -88,10 +89,10 @@ def test_fp8_column_major_activation_scales(device):
     aq, a_s = quantize_fp8_per_token_group(torch.randn(M, K, device=device), column_major=True)
     wq, w_s = quantize_fp8_block(torch.randn(E, N, K, device=device))
     blocks = moe_align_block_size(ids, 16, E)
-    out = torch.empty(M, N, device=device, dtype=torch.bfloat16)
+    out = torch.empty(M, 1, N, device=device, dtype=torch.bfloat16)
     fused_moe_gemm(aq, wq, out, blocks, pairs_per_row=1, config=CFG, a_scale=a_s, w_scale=w_s)
     expected = gemm_spec(dequantize_fp8_per_token_group(aq, a_s), dequantize_fp8_block(wq, w_s), ids, 1)
-    assert_close(out, expected, dtype=torch.bfloat16)
+    assert_close(out.flatten(0, 1), expected, dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -101,9 +102,9 @@ def test_gated_epilogue(device, dtype):
     a = torch.randn(M, K, device=device).to(dtype)
     w = (torch.randn(E, N, K, device=device) / K**0.5).to(dtype)
     blocks = moe_align_block_size(ids, CFG.BLOCK_M, E, keep_empty=True)
-    out = torch.empty(M * topk, N // 2, device=device, dtype=dtype)
+    out = torch.empty(M, topk, N // 2, device=device, dtype=dtype)
     fused_moe_gemm(a, w, out, blocks, pairs_per_row=topk, config=CFG, gated=GatedOutput())
-    assert_close(out, silu_and_mul(gemm_spec(a, w, ids, topk)), dtype=dtype)
+    assert_close(out.flatten(0, 1), silu_and_mul(gemm_spec(a, w, ids, topk)), dtype=dtype)
 
 
 @pytest.mark.parametrize("static", [None, "per_tensor", "per_token"])
@@ -121,10 +122,11 @@ def test_gated_fp8_requantization(device, static):
         st = torch.tensor([0.02], device=device)
     elif static == "per_token":
         st, div = torch.rand(M, device=device) * 0.02 + 0.01, topk
-    q = torch.empty(M * topk, N // 2, device=device, dtype=FP8)
+    q3 = torch.empty(M, topk, N // 2, device=device, dtype=FP8)
+    q = q3.flatten(0, 1)
     scale = torch.empty(M * topk, N // 256, device=device)
     gated = GatedOutput(out_scale=scale, static_scale=st, static_div=div)
-    fused_moe_gemm(aq, wq, q, blocks, pairs_per_row=topk, config=cfg, a_scale=a_s, w_scale=w_s, gated=gated)
+    fused_moe_gemm(aq, wq, q3, blocks, pairs_per_row=topk, config=cfg, a_scale=a_s, w_scale=w_s, gated=gated)
     if st is None:
         s_ref = (y.abs().view(-1, N // 256, 128).amax(-1) / 448).clamp_min(1e-10)
         torch.testing.assert_close(scale, s_ref, rtol=1e-4, atol=0)
@@ -135,7 +137,7 @@ def test_gated_fp8_requantization(device, static):
     back = q.float() * scale.repeat_interleave(128, dim=1)
     assert_close(back, torch.maximum(torch.minimum(y, limit), -limit), dtype=FP8)
     with expect_raises(QuantizationError, match="BLOCK_N == 128"):
-        fused_moe_gemm(aq, wq, q, blocks, pairs_per_row=topk, config=CFG, a_scale=a_s, w_scale=w_s, gated=gated)
+        fused_moe_gemm(aq, wq, q3, blocks, pairs_per_row=topk, config=CFG, a_scale=a_s, w_scale=w_s, gated=gated)
 
 
 @pytest.mark.parametrize("kind", ["bf16", "fp32_gated", "fp8_gated", "fp8"])
@@ -158,13 +160,13 @@ def test_tma_weights_match_pointer_loads(device, kind):
         cfg = KernelConfig(BLOCK_M=16, BLOCK_N=128 if kind.startswith("fp8") else 64, BLOCK_K=128, tma=tma)
         blocks = moe_align_block_size(ids, 16, E, keep_empty=True)
         if kind == "fp8_gated":
-            out = torch.empty(M * topk, width, device=device, dtype=FP8)
+            out = torch.empty(M, topk, width, device=device, dtype=FP8)
             kw["gated"] = GatedOutput(out_scale=torch.empty(M * topk, width // 128, device=device))
         else:
-            out = torch.empty(M * topk, width, device=device, dtype=dtype)
+            out = torch.empty(M, topk, width, device=device, dtype=dtype)
             kw["gated"] = GatedOutput() if "gated" in kind else None
         fused_moe_gemm(a, w, out, blocks, pairs_per_row=topk, config=cfg, **kw)
-        back = out.float()
+        back = out.flatten(0, 1).float()
         if kind == "fp8_gated":
             back = back * kw["gated"].out_scale.repeat_interleave(128, dim=1)
         results.append(back)
@@ -178,11 +180,11 @@ def test_errors(device):
     ids = torch.zeros(4, 2, dtype=torch.int32, device=device)
     blocks = moe_align_block_size(ids, 16, 2)
     a, w = torch.randn(4, 128, device=device), torch.randn(2, 64, 128, device=device)
-    out = torch.empty(8, 64, device=device)
+    out = torch.empty(4, 2, 64, device=device)
     with expect_raises(InvalidInputError, match="BLOCK_M"):
         fused_moe_gemm(a, w, out, blocks, pairs_per_row=2, config=KernelConfig(32, 64, 64))
     with expect_raises(InvalidInputError, match="and out"):
-        fused_moe_gemm(a, w, out[:7], blocks, pairs_per_row=2, config=CFG)
+        fused_moe_gemm(a, w, out[:3], blocks, pairs_per_row=2, config=CFG)
     with expect_raises(InvalidInputError, match="rows for 8 pairs"):
         fused_moe_gemm(a, w, out, blocks, pairs_per_row=1, config=CFG)
     with expect_raises(InvalidInputError, match="share a float dtype"):
@@ -196,6 +198,16 @@ def test_errors(device):
                        a_scale=a_s, w_scale=w_s)  # fmt: skip
     with expect_raises(QuantizationError, match="both be fp8"):
         fused_moe_gemm(aq, w, out, blocks, pairs_per_row=2, config=CFG)
+
+
+def test_a_2d_out_fails_where_upstream_did(device):
+    # The launcher reads out.stride(2) first, as vLLM's invoke_fused_moe_kernel read C.stride(2):
+    # handed a 2-D [M*topk, N] output, it raises torch's own IndexError (the crash of bug 1).
+    ids = torch.zeros(4, 2, dtype=torch.int32, device=device)
+    blocks = moe_align_block_size(ids, 16, 2)
+    a, w = torch.randn(4, 128, device=device), torch.randn(2, 64, 128, device=device)
+    with expect_raises(IndexError, match=r"Dimension out of range \(expected to be in range of \[-2, 1\], but got 2\)"):
+        fused_moe_gemm(a, w, torch.empty(8, 64, device=device), blocks, pairs_per_row=2, config=CFG)
 
 
 def test_config_table_is_valid():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moekit.errors import InvalidInputError
-from moekit.kernels.permute import ALIGN, MISMATCH, OVERFLOW, permute_to_contiguous, unpermute_from_contiguous
+from moekit.kernels.permute import ALIGN_M, MISMATCH, OVERFLOW, permute_to_contiguous, unpermute_from_contiguous
 from moekit.quant import quantize_fp8_per_token_group
 from moekit.reference import count_reference, local_expert_ids
 from moekit.routing import contiguous_expert_map
@@ -32,7 +32,7 @@ def check_layout(L, q, s, ids, E, emap, counts, flags=0):
     assert rows.unique().numel() == rows.numel()
     # Each pair's row holds its token's fp8 bytes and scales, inside its expert's segment.
     start = L.expert_start.cpu().long()
-    assert torch.equal(start[1:] - start[:-1], (counts.cpu().long() + ALIGN - 1) // ALIGN * ALIGN)
+    assert torch.equal(start[1:] - start[:-1], (counts.cpu().long() + ALIGN_M - 1) // ALIGN_M * ALIGN_M)
     tok = torch.arange(M * topk) // topk
     ok = local >= 0
     assert torch.equal(L.a.cpu()[inv[ok]].view(torch.uint8), q.cpu()[tok[ok]].view(torch.uint8))
@@ -43,7 +43,7 @@ def check_layout(L, q, s, ids, E, emap, counts, flags=0):
     # the segment's expert on every row of that segment, the last expert on unused blocks.
     mi = L.m_indices.cpu().long()
     assert bool(((mi >= 0) & (mi < E)).all())
-    blocks = mi.view(-1, ALIGN)
+    blocks = mi.view(-1, ALIGN_M)
     assert bool((blocks == blocks[:, :1]).all())
     for e in range(E):
         assert bool((mi[start[e] : start[e + 1]] == e).all())
@@ -51,7 +51,7 @@ def check_layout(L, q, s, ids, E, emap, counts, flags=0):
     # block_rows: rows with data at the start of each block.
     filled = torch.zeros(L.num_rows, dtype=torch.bool)
     filled[inv[ok]] = True
-    assert torch.equal(L.block_rows.cpu().long(), filled.view(-1, ALIGN).sum(1))
+    assert torch.equal(L.block_rows.cpu().long(), filled.view(-1, ALIGN_M).sum(1))
     assert int(L.flags) == flags
 
 
@@ -64,7 +64,7 @@ def test_round_trip(M, topk, E, K, ep, device):
     if emap is not None:
         ids = ids.clamp(max=E_global - 1)
     counts = count_reference(ids, E, emap)
-    num_rows = _round_up(M * topk + (ALIGN - 1) * E, ALIGN) + ALIGN  # + an unused block
+    num_rows = _round_up(M * topk + (ALIGN_M - 1) * E, ALIGN_M) + ALIGN_M  # + an unused block
     L = permute_to_contiguous(q, s, ids, counts, num_rows=num_rows, expert_map=emap)
     check_layout(L, q, s, ids, E, emap, counts)
 
@@ -80,15 +80,15 @@ def test_round_trip(M, topk, E, K, ep, device):
 
 def test_scale_layout_is_column_major_and_tma_aligned(device):
     q, s, ids = make(9, 384, 2, 3, device, low=0)
-    L = permute_to_contiguous(q, s, ids, count_reference(ids, 3), num_rows=3 * ALIGN)
-    assert L.a_scale.shape == (3 * ALIGN, 3)
+    L = permute_to_contiguous(q, s, ids, count_reference(ids, 3), num_rows=3 * ALIGN_M)
+    assert L.a_scale.shape == (3 * ALIGN_M, 3)
     assert L.a_scale.stride(0) == 1 and L.a_scale.stride(1) % 4 == 0
 
 
 def test_larger_counts_only_add_padding(device):
     q, s, ids = make(20, 128, 2, 4, device)
     counts = count_reference(ids, 4) + torch.tensor([0, 130, 1, 0], dtype=torch.int32, device=device)
-    L = permute_to_contiguous(q, s, ids, counts, num_rows=_round_up(40 + 4 * 127 + 130, ALIGN))
+    L = permute_to_contiguous(q, s, ids, counts, num_rows=_round_up(40 + 4 * 127 + 130, ALIGN_M))
     check_layout(L, q, s, ids, 4, None, counts, flags=MISMATCH)  # flagged, yet a valid layout
 
 
@@ -96,24 +96,24 @@ def test_undercounts_set_overflow_and_stay_in_bounds(device):
     q, s, ids = make(30, 128, 2, 2, device, low=0)
     true = count_reference(ids, 2)
     stale = torch.tensor([1, 0], dtype=torch.int32, device=device)  # far fewer than routed
-    L = permute_to_contiguous(q, s, ids, stale, num_rows=2 * ALIGN)
+    L = permute_to_contiguous(q, s, ids, stale, num_rows=2 * ALIGN_M)
     assert int(L.flags) == OVERFLOW | MISMATCH
     placed = int((L.inv_perm >= 0).sum())
-    assert placed == min(int(true[0]), ALIGN)  # expert 0's one padded block, expert 1 none
-    assert int(L.inv_perm.max()) < ALIGN
+    assert placed == min(int(true[0]), ALIGN_M)  # expert 0's one padded block, expert 1 none
+    assert int(L.inv_perm.max()) < ALIGN_M
 
 
 def test_sum_past_num_rows_sets_overflow(device):
     q, s, ids = make(4, 128, 2, 2, device, low=0)
     counts = torch.tensor([200, 200], dtype=torch.int32, device=device)
-    L = permute_to_contiguous(q, s, ids, counts, num_rows=ALIGN)
+    L = permute_to_contiguous(q, s, ids, counts, num_rows=ALIGN_M)
     assert int(L.flags) & OVERFLOW
     assert bool((L.m_indices >= 0).all())
 
 
 def test_empty_tokens(device):
     q, s, ids = make(0, 128, 2, 3, device)
-    L = permute_to_contiguous(q, s, ids, torch.zeros(3, dtype=torch.int32, device=device), num_rows=ALIGN)
+    L = permute_to_contiguous(q, s, ids, torch.zeros(3, dtype=torch.int32, device=device), num_rows=ALIGN_M)
     assert L.inv_perm.numel() == 0 and int(L.block_rows[0]) == 0
     assert bool((L.m_indices == 2).all())
     out = torch.empty(0, 2, 128, dtype=torch.bfloat16, device=device)
@@ -126,8 +126,8 @@ def test_bad_inputs(device):
     with pytest.raises(InvalidInputError, match="multiple of 128"):
         permute_to_contiguous(q, s, ids, counts, num_rows=100)
     with pytest.raises(InvalidInputError, match="float8"):
-        permute_to_contiguous(q.float(), s, ids, counts, num_rows=ALIGN)
+        permute_to_contiguous(q.float(), s, ids, counts, num_rows=ALIGN_M)
     with pytest.raises(InvalidInputError, match="a1q_scale"):
-        permute_to_contiguous(q, s[:, :0], ids, counts, num_rows=ALIGN)
+        permute_to_contiguous(q, s[:, :0], ids, counts, num_rows=ALIGN_M)
     with pytest.raises(InvalidInputError, match="inv_perm"):
         unpermute_from_contiguous(q.float(), counts, out=torch.empty(4, 2, 128, device=device))

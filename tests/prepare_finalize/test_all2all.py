@@ -104,14 +104,15 @@ def _mk_matrix(world):
     cases = []
     for i, (Ms, (E, topk)) in enumerate(itertools.product(MS[world], [(8, 1), (16, 2), (8, 4)])):
         chunk = (None, 4)[i % 2]
-        cases.append(EPConfig(Ms, E=E, topk=topk, K=64, N=64, chunk_size=chunk, experts="triton"))
+        cases.append(EPConfig(Ms, E=E, topk=topk, K=64, N=64, chunk_size=chunk, experts="triton",
+                              empty_every=5 if i % 3 else None))  # some cases with -1 slots
     for i, Ms in enumerate(MS[world][:2]):
         E, topk = ((16, 2), (8, 4))[i % 2]
         cases.append(EPConfig(Ms, E=E, topk=topk, K=128, N=256, chunk_size=(4, None)[i % 2],
-                              experts="triton_or_deep_gemm", quant="fp8_block"))
+                              experts="triton_or_deep_gemm", quant=QuantScheme.FP8_BLOCK))
     if world == 2:  # enough received rows that a chunk of 128 crosses to DeepGemm, the rest to Triton
         cases.append(EPConfig((80, 70), E=8, topk=2, K=128, N=256, chunk_size=128, skew=0.0,
-                              experts="triton_or_deep_gemm", quant="fp8_block"))
+                              experts="triton_or_deep_gemm", quant=QuantScheme.FP8_BLOCK))
     return cases
 
 
@@ -135,8 +136,8 @@ def test_modular_kernel_matches_reference_on_every_rank(world):
 
 def test_whole_batch_metadata_is_stale_for_deep_gemm():
     """Bug 2 where it bites: every chunk gets the whole batch's counts; DeepGemm sizes from them."""
-    common = dict(E=8, topk=2, K=128, N=128, chunk_size=8, experts="deep_gemm", quant="fp8_block",
-                  empty_slots=False, skew=0.0)
+    common = dict(E=8, topk=2, K=128, N=128, chunk_size=8, experts="deep_gemm", quant=QuantScheme.FP8_BLOCK,
+                  skew=0.0)
     # Each rank receives more than 8 rows (17 and 11), so on every rank chunk 0 is told too many.
     stale = EPConfig((8, 6), metadata_policy="whole_batch", **common)
     fixed = EPConfig((8, 6), metadata_policy="per_chunk", **common)

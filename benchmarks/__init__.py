@@ -1,0 +1,1 @@
+"""moekit's benchmark harness and GPU checks (not part of the package)"""

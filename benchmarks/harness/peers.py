@@ -1,0 +1,161 @@
+"""The contenders of one benchmark run, each a callable ``layer(problem) -> [M, K]``.
+
+A problem is a :class:`moekit.testing.MoEProblem` (see :mod:`benchmarks.harness.problem`).
+
+- ``grouped_mm``: a plain torch pipeline around ``torch._grouped_mm`` (bf16), no moekit kernel::
+
+      order   = argsort(topk_ids.flatten())          # (token, slot) pairs grouped by expert
+      offsets = searchsorted(sorted_ids, 0..E-1, right) # end row of each expert's group
+      h = grouped_mm(x[order // topk], w1^T, offsets) # [M*topk, N]
+      y = grouped_mm(silu_and_mul(h), w2^T, offsets)  # [M*topk, K]
+      out[m] = sum_j topk_weights[m, j] * y[inverse(order)][m, j]
+
+  Every step stays on the device with fixed shapes (no bincount, no ``.item()``), so it can be
+  captured in a CUDA graph.
+- ``triton`` / ``triton_chunked``: moekit's TritonExperts through ModularKernel, one chunk or
+  chunks of C tokens.
+- ``deep_gemm`` / ``deep_gemm_triton``: DeepGemmExperts (fp8 block) on the real deep_gemm, or on
+  moekit's Triton contiguous-layout GEMM.
+- ``triton_or_deep_gemm``: the dispatching experts class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from benchmarks.harness.common import quant_of
+from moekit.errors import InvalidInputError, MoekitError
+from moekit.testing import MoEProblem
+
+PEERS = ("grouped_mm", "triton", "triton_chunked", "deep_gemm", "deep_gemm_triton", "triton_or_deep_gemm")
+DEFAULT_PEERS = {"bf16": ("grouped_mm", "triton", "triton_chunked"),
+                 "fp8": ("triton", "deep_gemm_triton", "deep_gemm")}
+
+
+@dataclass
+class Peer:
+    """A contender: ``run(problem)`` computes the layer; ``release()`` frees cached workspaces."""
+
+    name: str
+    run: Callable[[MoEProblem], torch.Tensor]
+    release: Callable[[], None] = lambda: None
+    kernel: object = None  # the ModularKernel, when there is one (for its trace)
+    skipped: str = ""  # why this peer cannot run here ("" when it can)
+
+
+# ----------------------------------------------------------------------------------------------
+# The torch._grouped_mm pipeline, in pieces that are tested on the CPU.
+
+
+@dataclass
+class ExpertPermutation:
+    """(token, slot) pairs sorted by expert.
+
+    - ``order`` ``[M*topk]``: sorted position -> flat pair index ``m * topk + j``;
+    - ``token`` ``[M*topk]``: sorted position -> token m;
+    - ``offsets`` int32 ``[E]``: end (exclusive) of each expert's rows, as grouped_mm wants.
+    """
+
+    order: torch.Tensor
+    token: torch.Tensor
+    offsets: torch.Tensor
+
+
+def permute_by_expert(topk_ids: torch.Tensor, num_experts: int) -> ExpertPermutation:
+    """Group the pairs by expert id with a stable argsort; ids must lie in ``[0, E)``."""
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    sorted_ids = flat[order].to(torch.int32)
+    bounds = torch.arange(num_experts, device=flat.device, dtype=torch.int32)
+    offsets = torch.searchsorted(sorted_ids, bounds, right=True).to(torch.int32)
+    return ExpertPermutation(order, order // topk_ids.shape[1], offsets)
+
+
+def unpermute_and_reduce(y: torch.Tensor, perm: ExpertPermutation, topk_weights: torch.Tensor):
+    """``out[m] = sum_j topk_weights[m, j] * y[pos(m, j)]`` in y's dtype (fp32 accumulation)."""
+    M, topk = topk_weights.shape
+    unsorted = torch.empty_like(y)
+    unsorted[perm.order] = y  # back to (token, slot) order: [M*topk, K]
+    w = topk_weights.to(y.dtype).view(M, 1, topk)
+    return torch.bmm(w, unsorted.view(M, topk, -1)).view(M, -1)
+
+
+def grouped_mm_moe(x: MoEProblem) -> torch.Tensor:
+    """The whole layer with two ``torch._grouped_mm`` calls (bf16 weights only)."""
+    if x.w1.dtype == torch.float8_e4m3fn:
+        raise InvalidInputError("the grouped_mm peer runs bf16 weights only, got float8_e4m3fn")
+    E, N, _ = x.w1.shape
+    perm = permute_by_expert(x.topk_ids, E)
+    rows = x.hidden[perm.token]  # [M*topk, K]
+    h = torch._grouped_mm(rows, x.w1.transpose(1, 2), offs=perm.offsets)  # [M*topk, N]
+    a = torch.nn.functional.silu(h[:, : N // 2]) * h[:, N // 2 :]  # [M*topk, N/2]
+    y = torch._grouped_mm(a, x.w2.transpose(1, 2), offs=perm.offsets)  # [M*topk, K]
+    return unpermute_and_reduce(y, perm, x.topk_weights)
+
+
+# ----------------------------------------------------------------------------------------------
+# moekit's own experts through ModularKernel.
+
+
+def _modular(name: str, experts, chunk_size: int | None) -> Peer:
+    from moekit.modular_kernel import ModularKernel
+    from moekit.prepare_finalize import NoEPPrepareFinalize
+
+    kernel = ModularKernel(NoEPPrepareFinalize(), experts, chunk_size=chunk_size, trace_counts=False)
+
+    def run(x: MoEProblem) -> torch.Tensor:
+        return kernel(*x.inputs(), **x.options())
+
+    def release() -> None:
+        if kernel.pool is not None:
+            kernel.pool.release()
+
+    return Peer(name, run, release, kernel)
+
+
+def _skip(name: str, why: str) -> Peer:
+    def run(x: MoEProblem) -> torch.Tensor:
+        raise InvalidInputError(f"peer {name} is skipped: {why}")
+
+    return Peer(name, run, skipped=why)
+
+
+def make_peer(name: str, dtype: str, *, chunk_size: int = 1024) -> Peer:
+    """Build peer ``name`` for ``dtype`` ("bf16" or "fp8"); a peer that cannot run here comes
+    back with ``skipped`` set to the reason, instead of raising."""
+    if name not in PEERS:
+        raise InvalidInputError(f"peer must be one of {PEERS}, got {name!r}")
+    quant = quant_of(dtype)
+    if name == "grouped_mm":
+        if dtype != "bf16":
+            return _skip(name, "torch._grouped_mm takes no 128x128 block scales (bf16 only)")
+        if not hasattr(torch, "_grouped_mm"):
+            return _skip(name, f"torch {torch.__version__} has no torch._grouped_mm")
+        return Peer(name, grouped_mm_moe)
+    try:
+        if name in ("triton", "triton_chunked"):
+            from moekit.experts import TritonExperts
+
+            chunk = chunk_size if name == "triton_chunked" else None
+            return _modular(name, TritonExperts(quant=quant), chunk)
+        if name == "triton_or_deep_gemm":
+            from moekit.experts import TritonOrDeepGemmExperts
+
+            return _modular(name, TritonOrDeepGemmExperts(quant=quant), None)
+        if dtype != "fp8":
+            return _skip(name, "DeepGemmExperts is fp8 block only")
+        from moekit.experts import DeepGemmExperts
+
+        if name == "deep_gemm":
+            from moekit.backends.deep_gemm import status
+
+            st = status()
+            if not st.usable:
+                return _skip(name, f"deep_gemm not usable: {st.reason}")
+            return _modular(name, DeepGemmExperts(quant=quant, backend="deep_gemm"), None)
+        return _modular(name, DeepGemmExperts(quant=quant, backend="triton"), None)
+    except MoekitError as exc:  # the experts refuse this dtype or this machine
+        return _skip(name, f"{type(exc).__name__}: {exc}")

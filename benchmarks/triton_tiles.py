@@ -1,0 +1,102 @@
+"""Tiles for the TritonExperts GPU check (``benchmarks/gpu_check_triton.py``).
+
+- :func:`C`: a short tile spec, ``"128x256x64 g8 w8 s3 t"``, as a ``KernelConfig``;
+- :data:`SWEEP`: the candidates per (dtype, bucket, GEMM) that the check times beside the
+  committed table's tile;
+- :class:`FixedTiles`: ``TritonExperts`` whose ``tile_configs`` returns fixed tiles;
+- :func:`compile_only`: compile GEMM and align variants in parallel threads before timing. It
+  swaps moekit's private ``@triton.jit`` kernel objects for their ``warmup``: a shortcut of this
+  check only (the check falls back to compiling on first use when it fails).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+import moekit.kernels.align as align_mod  # moekit first: it turns the interpreter on before triton loads
+import moekit.kernels.fused_moe as gemm_mod
+from moekit.experts.triton import TritonExperts
+from moekit.kernels.configs import KernelConfig
+from moekit.types import ProblemSize
+
+
+def C(spec: str) -> KernelConfig:
+    """'128x256x64 g8 w8 s3 t' -> KernelConfig (t: TMA weights)."""
+    parts = spec.split()
+    bm, bn, bk = map(int, parts[0].split("x"))
+    kw = {"g": 8, "w": 4, "s": 3} | {p[0]: int(p[1:]) for p in parts[1:] if p != "t"}
+    return KernelConfig(bm, bn, bk, GROUP_M=kw["g"], num_warps=kw["w"], num_stages=kw["s"], tma="t" in parts)
+
+
+def _specs(text: str) -> list[KernelConfig]:
+    return [C(s.strip()) for s in text.split(",")]
+
+
+# Candidates per (dtype, bucket, GEMM); the table's own tile is always timed first. Shared memory
+# (stages x (BM*BK + BN*BK) x bytes, two weight tiles when gated) stays under 227 KB, and each
+# was compiled for sm_90 with triton 3.6 without register spills (fp8 gated at 128 x 128 spills).
+_LARGE = "128x256x64 w8, 128x256x64 w8 t, 128x256x64 w8 s4, 128x128x64 w8, 128x128x64 w8 t, 128x128x64 w4 s4, " \
+         "256x128x64 w8, 64x256x64 w4 s4, 64x256x64 w4 s4 t, 64x128x64 w4 s4, 128x128x128 w8"  # fmt: skip
+_DECODE = "16x128x128 g1, 16x128x128 g1 t, 16x64x128 g1 s4, 16x128x128 g1 s4, 16x256x128 g1 w8, 16x64x128 g1 t"
+SWEEP = {
+    ("bf16", "decode"): {
+        "gemm1": _specs(_DECODE),
+        "gemm1_gated": _specs("16x64x128 g1, 16x64x128 g1 t, 16x64x128 g1 s4, 16x128x128 g1, 16x32x128 g1 s4"),
+        "gemm2": _specs(_DECODE),
+    },
+    ("bf16", "large"): {
+        "gemm1": _specs(_LARGE),
+        "gemm1_gated": _specs(
+            "128x128x64 w8, 128x128x64 w8 t, 128x128x64 w8 s4, 64x128x64 w4 s4, 64x128x64 w4 s4 t, "
+            "64x128x64 w8 s4, 128x64x64 w4 s4, 256x64x64 w8"
+        ),
+        "gemm2": _specs(_LARGE),
+    },
+    ("fp8", "large"): {
+        "gemm1": _specs("64x256x128 w8, 64x256x128 w8 t, 128x128x128 w8, 128x128x128 w8 t, 64x128x128 w4 s4"),
+        "gemm1_gated": _specs("64x128x128 w8, 64x128x128 w8 t, 64x128x128 w8 s4, 64x128x128 w8 s4 t"),
+        "gemm2": _specs("64x256x128 w8, 64x256x128 w8 t, 128x128x128 w8, 128x128x128 w8 t, 64x128x128 w4 s4"),
+    },
+}
+
+
+@contextlib.contextmanager
+def compile_only(threads: int):
+    """Inside, GEMM and align launches only compile, in parallel threads; all done on exit."""
+    import triton
+
+    kernels = [(gemm_mod, "_fused_moe_kernel")] + [
+        (align_mod, n) for n in ("_align_small_kernel", "_align_count_kernel", "_align_scan_kernel",
+                                 "_align_scatter_kernel")
+    ]  # fmt: skip
+    saved = [(mod, name, getattr(mod, name)) for mod, name in kernels]
+
+    class _Warm:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            return lambda *a, **kw: self.fn.warmup(*a, grid=grid, **kw)
+
+    for mod, name, fn in saved:
+        setattr(mod, name, _Warm(fn))
+    try:
+        with triton.AsyncCompileMode(ThreadPoolExecutor(threads), ignore_errors=True):
+            yield
+    finally:
+        for mod, name, fn in saved:
+            setattr(mod, name, fn)
+
+
+class FixedTiles(TritonExperts):
+    """TritonExperts with fixed ``(GEMM1, GEMM2)`` tiles instead of the committed table's."""
+
+    def __init__(self, configs: tuple[KernelConfig, KernelConfig], **kwargs):
+        super().__init__(**kwargs)
+        self.configs = configs
+
+    def tile_configs(self, problem: ProblemSize, dtype: torch.dtype) -> tuple[KernelConfig, KernelConfig]:
+        return self.configs

@@ -1,0 +1,111 @@
+"""The bug-1 explorer (notebook 02): sliders for M and C; per chunk, the backend and buffers, and
+what the pre-fix loop did with them, recomputed live by running it.
+
+:func:`crash_view` is the logic, headless and unit-tested: it runs the real pre-fix modular
+kernel (parent commit 41060c6e0: workspaces declared once, DeepGEMM's 2-D output, no guard) and
+the fixed one on the same fp8 problem, and keeps both traces and what each raised.
+:func:`crash_explorer` wires two ipywidgets sliders to it; ipywidgets is imported inside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+from dataclasses import dataclass
+
+from moekit.experts.triton_or_deep_gemm import TritonOrDeepGemmExperts
+from moekit.modular_kernel import ModularKernel
+from moekit.prepare_finalize.no_ep import NoEPPrepareFinalize
+from moekit.testing import make_problem
+from moekit.trace import Trace
+from moekit.types import QuantScheme
+from moekit.widgets.display import display_data
+
+
+@dataclass(frozen=True)
+class CrashParams:
+    """What the sliders set (M tokens, C chunk size) and the fixed rest of the fp8 problem."""
+
+    M: int = 130
+    C: int = 128
+    E: int = 8
+    topk: int = 2
+    K: int = 128
+    N: int = 256
+    seed: int = 0
+
+
+@dataclass
+class CrashView:
+    """Both runs at one setting: the pre-fix one (``error`` is what it raised, or None) and the fix."""
+
+    params: CrashParams
+    pre_fix: Trace
+    error: BaseException | None
+    fixed: Trace
+
+    def summary(self) -> str:
+        p, backends = self.params, " | ".join(self.fixed.backends)
+        if self.error is None:
+            outcome = "the pre-fix loop ran through (no chunk needed another layout)"
+        else:
+            failed = next((c.index for c in self.pre_fix if not c.completed), "?")
+            outcome = f"the pre-fix loop crashed at chunk {failed}: {type(self.error).__name__}: {self.error}"
+        return f"M={p.M}, C={p.C}: chunks ran {backends}; {outcome}"
+
+
+def pre_fix_kernel(C: int) -> ModularKernel:
+    """The loop as the parent commit ran it: declared once, DeepGEMM's 2-D output, no guard."""
+    experts = TritonOrDeepGemmExperts(quant=QuantScheme.FP8_BLOCK, flat_output=True)
+    return ModularKernel(NoEPPrepareFinalize(), experts, chunk_size=C, workspace_policy="once", guard=False)
+
+
+def crash_view(params: CrashParams) -> CrashView:
+    """Run the pre-fix and the fixed kernel on one seeded fp8 problem (see the module docstring)."""
+    p = dataclasses.replace(params, M=max(1, int(params.M)), C=max(1, int(params.C)))
+    problem = make_problem(p.M, E=p.E, topk=p.topk, K=p.K, N=p.N, quant=QuantScheme.FP8_BLOCK, seed=p.seed)
+    pre_fix, error = pre_fix_kernel(p.C), None
+    try:
+        pre_fix(*problem.inputs(), **problem.options())
+    except IndexError as e:  # the launcher indexing a third dimension of a 2-D output slice
+        error = e
+    fixed = ModularKernel(NoEPPrepareFinalize(), TritonOrDeepGemmExperts(), chunk_size=p.C)
+    problem.check(fixed(*problem.inputs(), **problem.options()))
+    return CrashView(p, pre_fix.last_trace, error, fixed.last_trace)
+
+
+def draw(view: CrashView):
+    """The per-chunk table of the pre-fix run (handed vs needed) as a figure."""
+    from moekit import viz
+
+    return viz.plot_table(view.pre_fix.handed_vs_needed(), title=view.summary()[:110])
+
+
+def crash_explorer(params: CrashParams | None = None, **overrides):
+    """Sliders for M and C over the live table; ``box.last_view`` holds the latest CrashView."""
+    import ipywidgets as w
+
+    p = dataclasses.replace(params or CrashParams(), **overrides)
+    sliders = {
+        "M": w.IntSlider(value=p.M, min=1, max=512, description="M tokens", continuous_update=False),
+        "C": w.IntSlider(value=p.C, min=1, max=512, description="C chunk", continuous_update=False),
+    }
+    text, out = w.HTML(), w.Output()
+    box = w.VBox([w.HBox(list(sliders.values())), text, out])
+
+    def update(_change=None):
+        """Rerun both kernels for the sliders' values (on release: each run takes a second or two)."""
+        try:
+            view = crash_view(dataclasses.replace(p, **{k: s.value for k, s in sliders.items()}))
+            out.outputs = (display_data(draw(view)),)
+        except Exception as e:  # from a slider: its traceback would only reach the server log
+            if _change is None:
+                raise
+            text.value = f"<pre>{html.escape(f'{type(e).__name__}: {e}')}</pre>"
+            return
+        box.last_view, text.value = view, f"<code>{html.escape(view.summary())}</code>"
+
+    for slider in sliders.values():
+        slider.observe(update, "value")
+    update()
+    return box
