@@ -243,7 +243,7 @@ class ModularKernel:
                                  counts, needed=own, completed=False)  # fmt: skip
             trace.chunks.append(record)
             record.backend = experts.apply(call)
-            record.completed = True
+            record.completed, record.note = True, experts.why(sub)
         trace.peak_workspace_bytes = pool.peak_bytes
         return fused_out
 

@@ -31,6 +31,7 @@ class ChunkRecord:
     counts: torch.Tensor | None = None
     needed: WorkspaceShapes | None = None
     completed: bool = True
+    note: str = ""  # why the backend ran, when it was a fallback (Experts.why)
 
     def __post_init__(self):
         if self.needed is None:

@@ -25,13 +25,29 @@ layout (:mod:`moekit.kernels.contiguous_gemm`).
    ``get_col_major_tma_aligned_tensor`` (the scale layout moekit already produces).
 
 The result is cached. :func:`status` never raises, and this module imports only the standard
-library and torch, so ``moekit.device.info()`` can call it anywhere.
+library and torch, so ``moekit info`` can call it anywhere.
+
+Known build traps (seen on an H200 with CUDA 13, deep_gemm 1.0):
+
+- as shipped, 1.0 does not compile under CUDA 13: ``PFN_cuTensorMapEncodeTiled`` is undefined
+  there (CUDA 13 names it ``PFN_cuTensorMapEncodeTiled_v12000``). 1.0 reads its compiler from
+  ``DG_NVCC_COMPILER`` (later versions: ``DG_JIT_NVCC_COMPILER``); point it at an nvcc wrapper
+  that adds ``-DPFN_cuTensorMapEncodeTiled=PFN_cuTensorMapEncodeTiled_v12000``. :func:`status`
+  reports 1.0 under CUDA 13 without such a compiler as not usable, and says this.
+- 1.0 cannot build some shapes (``static assertion failed with "Misaligned barriers"`` when its
+  heuristic picks a BLOCK_N that divides 128 and K/128 is odd: K=128, or an intermediate size of
+  384 for GEMM2). :func:`grouped_gemm_contiguous` turns such a build failure into
+  BackendUnavailableError and remembers the shape, so that it is never compiled again in this
+  process; :func:`build_failure` says whether a shape is known to fail.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
+import re
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -122,28 +138,39 @@ def _probe() -> tuple[DeepGemmStatus, ModuleType | None]:
     if api is None:
         known = ", ".join(gemm for _, gemm, _ in _APIS)
         return DeepGemmStatus(False, f"deep_gemm has none of the known contiguous GEMMs ({known})"), None
-    missing_tool = _missing_jit_tools()
+    missing_tool = jit_problem(api)
     if missing_tool:
         return DeepGemmStatus(False, missing_tool), None
     version = getattr(module, "__version__", "unknown version")
     return DeepGemmStatus(True, f"deep_gemm {version} ({api} API) on {gpu}", api), module
 
 
-def _missing_jit_tools() -> str | None:
-    """deep_gemm JIT-compiles its kernels with nvcc and names them with cuobjdump, both from
-    CUDA_HOME. Without them the import works but the first GEMM fails (an os.path.join(None)
-    TypeError in 1.0), so check here, where the reason can be reported."""
+_COMPILER_ENV = {"1.0": "DG_NVCC_COMPILER", "v2": "DG_JIT_NVCC_COMPILER"}  # what each API reads
+
+
+def jit_problem(api: str = "v2") -> str | None:
+    """What stops deep_gemm's JIT here, or None. It compiles its kernels with nvcc and names them
+    with cuobjdump, both from CUDA_HOME; without them the import works but the first GEMM fails
+    (an os.path.join(None) TypeError in 1.0), so :func:`status` checks this, where the reason can
+    be reported. 1.0 also cannot compile under CUDA 13 as shipped (see the module docstring)."""
     import os
     import shutil
 
+    env = _COMPILER_ENV[api]
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    nvcc = os.environ.get("DG_JIT_NVCC_COMPILER") or (home and os.path.join(home, "bin", "nvcc"))
-    nvcc = nvcc or shutil.which("nvcc")
+    nvcc = os.environ.get(env) or (home and os.path.join(home, "bin", "nvcc")) or shutil.which("nvcc")
     if not nvcc or not os.path.exists(nvcc):
-        return "deep_gemm needs nvcc for its JIT: set CUDA_HOME (or DG_JIT_NVCC_COMPILER)"
+        return f"deep_gemm needs nvcc for its JIT: set CUDA_HOME (or {env})"
     cuobjdump = os.path.join(os.path.dirname(nvcc), "cuobjdump")
     if not os.path.exists(cuobjdump) and not shutil.which("cuobjdump"):
         return f"deep_gemm needs cuobjdump beside {nvcc} for its JIT"
+    cuda_major = int((torch.version.cuda or "0").split(".")[0])
+    if api == "1.0" and not os.environ.get(env) and cuda_major >= 13:
+        return (
+            "deep_gemm 1.0 does not compile under CUDA 13 as shipped (PFN_cuTensorMapEncodeTiled is named "
+            "PFN_cuTensorMapEncodeTiled_v12000 there): set DG_NVCC_COMPILER to an nvcc wrapper that adds "
+            "-DPFN_cuTensorMapEncodeTiled=PFN_cuTensorMapEncodeTiled_v12000"
+        )
     return None
 
 
@@ -162,7 +189,48 @@ def status(*, refresh: bool = False) -> DeepGemmStatus:
     global _CACHE
     if refresh:
         _CACHE = None
+        _BUILD_FAILURES.clear()
     return _load()[0]
+
+
+@contextlib.contextmanager
+def use(module: object, *, reason: str = "given by moekit.backends.deep_gemm.use"):
+    """Route every deep_gemm call to ``module`` inside the block (a stub in tests, or a build
+    that is not on the import path); the probed state, and the remembered build failures,
+    come back after it. ``module`` must expose one of the known APIs.
+
+    Raises:
+        BackendUnavailableError: ``module`` has neither API.
+    """
+    global _CACHE
+    api = detect_api(module)
+    if api is None:
+        raise BackendUnavailableError(f"{module!r} exposes none of the known contiguous GEMMs ({[a[1] for a in _APIS]})")
+    saved, failures = _CACHE, dict(_BUILD_FAILURES)
+    _CACHE = (DeepGemmStatus(True, reason, api), module)
+    _BUILD_FAILURES.clear()
+    try:
+        yield
+    finally:
+        _CACHE = saved
+        _BUILD_FAILURES.clear()
+        _BUILD_FAILURES.update(failures)
+
+
+# (N, K) of a GEMM that deep_gemm failed to build here -> why. Never compiled twice.
+_BUILD_FAILURES: dict[tuple[int, int], str] = {}
+_BUILD_ERROR = re.compile(r"nvcc|compil|static assert|Misaligned barriers|ptxas", re.IGNORECASE)
+
+
+def build_failure(N: int, K: int) -> str | None:
+    """Why deep_gemm could not build its GEMM for ``[*, K] x [N, K]^T`` here, or None (not known to fail)."""
+    return _BUILD_FAILURES.get((int(N), int(K)))
+
+
+def _is_build_failure(e: BaseException) -> bool:
+    return isinstance(e, subprocess.CalledProcessError) or (
+        isinstance(e, RuntimeError | AssertionError) and bool(_BUILD_ERROR.search(str(e)))
+    )
 
 
 def _module() -> tuple[ModuleType, str]:
@@ -197,11 +265,32 @@ def grouped_gemm_contiguous(
             and never -1 (1.0 reads out of bounds on a block whose first row is -1).
 
     Raises:
-        BackendUnavailableError: deep_gemm cannot run here (the message says why).
+        BackendUnavailableError: deep_gemm cannot run here, or cannot build a kernel for this
+            shape (the message says why; the shape is remembered and never compiled again).
     """
     module, api = _module()
-    getattr(module, _names(api)[0])((a, a_scale), (b, b_scale), out, m_indices)
+    N, K = b.shape[1], b.shape[2]
+    known = build_failure(N, K)
+    if known is not None:
+        raise BackendUnavailableError(known)
+    try:
+        getattr(module, _names(api)[0])((a, a_scale), (b, b_scale), out, m_indices)
+    except Exception as e:
+        if not _is_build_failure(e):
+            raise
+        first = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
+        _BUILD_FAILURES[(N, K)] = f"deep_gemm cannot build its GEMM for N={N}, K={K} here ({type(e).__name__}: {first})"
+        raise BackendUnavailableError(_BUILD_FAILURES[(N, K)]) from e
     return out
 
 
-__all__ = ["DeepGemmStatus", "detect_api", "grouped_gemm_contiguous", "m_alignment", "status"]
+__all__ = [
+    "DeepGemmStatus",
+    "build_failure",
+    "detect_api",
+    "grouped_gemm_contiguous",
+    "jit_problem",
+    "m_alignment",
+    "status",
+    "use",
+]

@@ -70,6 +70,10 @@ class Experts(ABC):
         """The backend ``apply`` will run for this problem (used by the trace before the call)."""
         return "triton"
 
+    def why(self, problem: ProblemSize) -> str:
+        """Why this problem ran the backend it ran, when that was a fallback (for the trace); else ""."""
+        return ""
+
     def check(self, problem: ProblemSize, weights: MoEWeights, *, a2_scale: torch.Tensor | None = None) -> None:
         """Raise a named error unless this class can run ``problem`` (the whole batch's M).
 

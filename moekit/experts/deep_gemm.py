@@ -110,17 +110,29 @@ class DeepGemmExperts(Experts):
 
     # ----------------------------------------------------------------------------------------
     def _real_deep_gemm(self, N: int, K: int) -> bool:
+        """Whether both GEMMs go to the real deep_gemm: GEMM1 ``[*, K] x [N, K]^T``, GEMM2
+        ``[*, N/2] x [K, N/2]^T``. A shape that deep_gemm failed to build here stays on Triton."""
+        return not self._fallback_reason(N, K)
+
+    def _fallback_reason(self, N: int, K: int) -> str:
+        """"" when the real deep_gemm runs this shape, else why moekit's Triton GEMM does."""
         if self.backend == "triton":
-            return False
-        fits = (N // 2) % 128 == 0 and K % 128 == 0
-        if self.backend == "deep_gemm":
-            if not fits:
-                raise BackendUnavailableError(f"deep_gemm needs N/2 and K multiples of 128, got N={N}, K={K}")
-            return True
-        return fits and dg.status().usable
+            return "backend='triton' was asked for"
+        if (N // 2) % 128 or K % 128:
+            reason = f"deep_gemm needs N/2 and K multiples of 128, got N={N}, K={K}"
+        elif not dg.status().usable:
+            reason = dg.status().reason
+        else:
+            reason = dg.build_failure(N, K) or dg.build_failure(K, N // 2) or ""
+        if reason and self.backend == "deep_gemm":
+            raise BackendUnavailableError(f"backend='deep_gemm' asked for, but {reason}")
+        return reason
 
     def backend_for(self, problem: ProblemSize) -> str:
         return "deep_gemm" if self._real_deep_gemm(problem.N, problem.K) else "deep_gemm[triton]"
+
+    def why(self, problem: ProblemSize) -> str:
+        return self._fallback_reason(problem.N, problem.K)
 
     def check(self, problem: ProblemSize, weights: MoEWeights, *, a2_scale: torch.Tensor | None = None) -> None:
         """N and K multiples of 128 (the layout's blocks); a per-tensor a2_scale only."""
@@ -190,10 +202,9 @@ class DeepGemmExperts(Experts):
         ws2 = carve(call.workspace2, call.shapes.workspace2)
         M_sum = call.shapes.workspace13[0]
         real = self._real_deep_gemm(N, K)
-        backend = "deep_gemm" if real else "deep_gemm[triton]"
         if M == 0 or M_sum == 0:  # no local (token, slot) pair: every slot's output is zero
             call.output.zero_()
-            return backend
+            return self.backend_for(p)
         meta = call.tokens_meta
         if meta is not None and call.guard and meta.expert_num_tokens_cpu is not None:
             total = int(meta.expert_num_tokens_cpu.sum())
@@ -226,7 +237,7 @@ class DeepGemmExperts(Experts):
         mm2 = carve(ws13, (M_sum, K))
         self._gemm(real, q, q_scale, w.w2, w.w2_scale, mm2[:rows], layout, rows)
         unpermute_from_contiguous(mm2, layout.inv_perm, out=call.output)
-        return backend
+        return self.backend_for(p)  # "deep_gemm[triton]" if a GEMM fell back on a build failure
 
     @staticmethod
     def _rows_in_use(real: bool, call: ExpertsCall, layout: ContiguousLayout, M_sum: int) -> int:
@@ -254,11 +265,15 @@ class DeepGemmExperts(Experts):
 
     def _gemm(self, real: bool, a, a_scale, b, b_scale, out, layout: ContiguousLayout, rows: int) -> None:
         if real:
-            dg.grouped_gemm_contiguous(a, a_scale, b, b_scale, out, layout.m_indices[:rows])
-        else:
-            contiguous_gemm(a, a_scale, b, b_scale, layout.m_indices[:rows], out=out,
-                            block_rows=layout.block_rows[: rows // ALIGN_M],
-                            config=self.gemm_config(rows, b.shape[1], b.shape[2]))  # fmt: skip
+            try:
+                dg.grouped_gemm_contiguous(a, a_scale, b, b_scale, out, layout.m_indices[:rows])
+                return
+            except BackendUnavailableError:  # deep_gemm could not build this shape: remembered, never retried
+                if self.backend == "deep_gemm":
+                    raise
+        contiguous_gemm(a, a_scale, b, b_scale, layout.m_indices[:rows], out=out,
+                        block_rows=layout.block_rows[: rows // ALIGN_M],
+                        config=self.gemm_config(rows, b.shape[1], b.shape[2]))  # fmt: skip
 
 
 __all__ = ["DeepGemmExperts"]

@@ -93,6 +93,9 @@ class TritonOrDeepGemmExperts(Experts):
     def backend_for(self, problem: ProblemSize) -> str:
         return self._pick(problem).backend_for(problem)
 
+    def why(self, problem: ProblemSize) -> str:
+        return self._pick(problem).why(problem)
+
     def workspace_shapes(
         self,
         problem: ProblemSize,

@@ -41,8 +41,8 @@ _BLOCK = 4096  # ids per tile of the histogram (smaller inputs take a smaller ti
 _PROGRAMS_PER_SM = 2  # the histogram's grid is at most this many programs per SM
 _INTERPRETER_SMS = 2  # a pretend SM count: few programs under the interpreter, but more than one
 # tl.histogram takes a `mask` in Triton 3.6 and 3.9. On a release without it, invalid ids go to a
-# spare bin instead (one more bin, same result).
-_HISTOGRAM_HAS_MASK = "mask" in inspect.signature(tl.histogram).parameters
+# spare bin instead (one more bin, same result). Detected once; a test sets it to False.
+HISTOGRAM_HAS_MASK = "mask" in inspect.signature(tl.histogram).parameters
 
 
 @triton.jit
@@ -124,10 +124,10 @@ def _sm_count(device_index: int) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def _histogram_launch(numel: int, num_local: int, sms: int) -> tuple[int, int, int, int]:
+def _histogram_launch(numel: int, bins_needed: int, sms: int) -> tuple[int, int, int, int]:
     """(block, grid, num_warps, bins) for ``numel > 0`` ids: a tile as large as the input up to
     4096 ids, and at most ``2 x SMs`` programs, each striding over every grid-th tile."""
-    bins = max(32, triton.next_power_of_2(num_local + (0 if _HISTOGRAM_HAS_MASK else 1)))
+    bins = max(32, triton.next_power_of_2(bins_needed))
     block = min(_BLOCK, max(128, triton.next_power_of_2(numel)))
     grid = min(triton.cdiv(numel, block), sms * _PROGRAMS_PER_SM)
     return block, grid, max(1, min(16, block // 128)), bins
@@ -212,12 +212,13 @@ def count_expert_num_tokens(
         return out
     on_gpu = device.type == "cuda" and not interpreting()
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) if on_gpu else _INTERPRETER_SMS
-    block, grid, warps, bins = _histogram_launch(numel, num_local_experts, sms)
+    masked = HISTOGRAM_HAS_MASK
+    block, grid, warps, bins = _histogram_launch(numel, num_local_experts + (0 if masked else 1), sms)
     solo = grid == 1
     out = (torch.empty if solo else torch.zeros)(num_local_experts, dtype=torch.int32, device=device)
     _count_histogram_kernel[(grid,)](
         topk_ids, expert_map, out, numel, limit, num_local_experts,
-        HAS_MAP=expert_map is not None, BLOCK=block, NUM_BINS=bins, MASKED=_HISTOGRAM_HAS_MASK, SOLO=solo,
+        HAS_MAP=expert_map is not None, BLOCK=block, NUM_BINS=bins, MASKED=masked, SOLO=solo,
         num_warps=warps,
     )  # fmt: skip
     return out
