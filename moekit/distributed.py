@@ -5,9 +5,11 @@ One host, no torchrun (tests, notebooks, a laptop)::
     from moekit.distributed import launch
     results = launch(moekit.ep.run_rank, world_size=2, args=(config,))   # one result per rank
 
-``launch`` spawns ``world_size`` processes, joins them through a TCP store on a free loopback
-port (127.0.0.1), calls ``fn(rank, world_size, *args)`` in each, and returns their return
-values in rank order (tensors come back on the CPU). ``fn`` must be importable (defined in a
+``launch`` spawns ``world_size`` processes, joins them through a TCP store that listens on a
+free loopback port only (127.0.0.1, never every interface: nobody else on the network can reach
+the rendezvous), calls ``fn(rank, world_size, *args)`` in each, and returns their return values
+in rank order (tensors come back on the CPU). When a rank fails, the others get a short grace
+to report, then are stopped, and the caller sees the first failure's traceback. ``fn`` must be importable (defined in a
 module, not in a notebook cell), because spawned processes find it by name.
 
 Several hosts (or one host with torchrun), e.g. 2 nodes with 8 GPUs each; run on every node,
@@ -17,7 +19,8 @@ with ``--node-rank 0`` on ``host0`` and ``--node-rank 1`` on the other::
              --master-addr host0 --master-port 29500 \\
              -m moekit.ep --M 256 --E 64 --topk 8 --chunk-size 64
 
-(E must split evenly over the 16 ranks.)
+Under torchrun, torch's own rendezvous applies: rank 0 hosts a TCPStore on ``--master-port`` that
+the other hosts must reach, so it listens beyond loopback; keep that port inside your cluster.
 
 Inside such a process call :func:`init_from_env` (``moekit.ep`` does) to join the group that
 torchrun describes in ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``.
@@ -38,6 +41,7 @@ import importlib.util
 import os
 import pickle
 import queue as queue_mod
+import socket
 import sys
 import time
 import traceback
@@ -63,9 +67,11 @@ def default_backend(world_size: int) -> str:
     return "nccl" if on_cuda and torch.cuda.device_count() >= world_size else "gloo"
 
 
-def _check_backend(backend: str | None, world_size: int) -> str:
+def _check_backend(backend: str | None, world_size: int, timeout_s) -> str:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size <= 0:
         raise InvalidInputError(f"world_size must be a positive int, got {world_size!r}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not timeout_s > 0:
+        raise InvalidInputError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
     backend = default_backend(world_size) if backend is None else backend
     if backend not in BACKENDS:
         raise InvalidInputError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
@@ -105,17 +111,17 @@ def init_from_env(*, backend: str | None = None, timeout_s: float = 300.0) -> tu
     return rank, world_size
 
 
-def _to_cpu(obj: Any) -> Any:
+def to_cpu(obj: Any) -> Any:
     """Tensors to the CPU, recursively through lists, tuples, dicts and dataclasses."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().cpu()
     if isinstance(obj, list | tuple):
-        return type(obj)(_to_cpu(x) for x in obj)
+        return type(obj)(to_cpu(x) for x in obj)
     if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
+        return {k: to_cpu(v) for k, v in obj.items()}
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         fields = [f.name for f in dataclasses.fields(obj) if f.init]
-        return dataclasses.replace(obj, **{name: _to_cpu(getattr(obj, name)) for name in fields})
+        return dataclasses.replace(obj, **{name: to_cpu(getattr(obj, name)) for name in fields})
     return obj
 
 
@@ -166,7 +172,7 @@ def _child(rank, world_size, port, backend, ref: _FnRef, args, timeout_s, result
         timeout = datetime.timedelta(seconds=timeout_s)
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
         _init(backend, rank, world_size, timeout_s, store=store)
-        value = _to_cpu(fn(rank, world_size, *args))
+        value = to_cpu(fn(rank, world_size, *args))
         results.put((rank, True, pickle.dumps(value)))
     except BaseException:  # noqa: B036  (the parent must hear about every failure, even SystemExit)
         results.put((rank, False, traceback.format_exc()))
@@ -200,13 +206,11 @@ def launch(
         DistributedError: a rank raised (the message holds that rank's traceback; when several
             failed, the first to report leads), died, or the run exceeded ``timeout_s``.
     """
-    backend = _check_backend(backend, world_size)
+    backend = _check_backend(backend, world_size, timeout_s)
     ref = _FnRef.of(fn)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    # The parent hosts the rendezvous store on port 0 (the OS picks a free port): no race on the port.
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout_s))
+    store = _loopback_store(timeout_s)
     env = dict(_NCCL_SAFETY_ENV) if backend == "nccl" else {}
     if backend == "gloo" and torch.cuda.is_available():
         env["MOEKIT_DEVICE"] = "cpu"
@@ -233,15 +237,28 @@ def launch(
         del store
 
 
+def _loopback_store(timeout_s: float) -> dist.TCPStore:
+    """The rendezvous store, listening on 127.0.0.1 only, on a port the OS picks (no race).
+
+    Given a port alone, TCPStore listens on every interface; handed a socket already bound to
+    the loopback address, it listens there, and owns (and finally closes) that socket."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(128)
+    port = listener.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          master_listen_fd=listener.fileno(), timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
+    listener.detach()  # the store closes the descriptor now
+    return store
+
+
 def _collect(procs, results, world_size: int, timeout_s: float) -> list[Any]:
     done: dict[int, Any] = {}
     failures: list[tuple[int, str]] = []
     dead_since: dict[int, float] = {}
     deadline = time.monotonic() + timeout_s
     while len(done) + len(failures) < world_size:
-        wait = deadline - time.monotonic()
-        if failures:
-            wait = min(wait, _GRACE_S)
+        wait = deadline - time.monotonic()  # after a failure the deadline shrinks to its grace
         if wait <= 0:
             break
         try:
@@ -254,11 +271,14 @@ def _collect(procs, results, world_size: int, timeout_s: float) -> list[Any]:
                     # a report put just before dying may still be in flight: give it a second
                     if now - dead_since.setdefault(r, now) > 1.0:
                         failures.append((r, f"rank {r} exited with code {p.exitcode} without reporting"))
+                        deadline = min(deadline, now + _GRACE_S)
             continue
         if ok:
             done[rank] = pickle.loads(payload)
         else:
             failures.append((rank, payload))
+        if failures and deadline > time.monotonic() + _GRACE_S:  # the others get a bounded grace, once
+            deadline = time.monotonic() + _GRACE_S
     if failures:
         rank, text = failures[0]
         others = sorted(r for r, _ in failures[1:])

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import moekit
-from moekit.errors import ChunkSizeError, InvalidInputError
+from moekit.errors import ChunkSizeError, InvalidIdsError, InvalidInputError
 from moekit.quant import (
     dequantize_fp8_block,
     dequantize_fp8_per_token_group,
@@ -46,3 +46,55 @@ def test_fused_moe_names_bad_arguments():
         moekit.fused_moe(x, w1, w2, tw, ti, experts="cutlass")
     with pytest.raises(ChunkSizeError):
         moekit.fused_moe(x, w1, w2, tw, ti, chunk_size=0)
+    with pytest.raises(ChunkSizeError):
+        moekit.fused_moe(x, w1, w2, tw, ti, chunk_size=[8])
+    with pytest.raises(InvalidInputError, match="global_num_experts"):
+        moekit.fused_moe(x, w1, w2, tw, ti, global_num_experts="8")
+    with pytest.raises(InvalidInputError, match="experts must be one of"):
+        moekit.fused_moe(x, w1, w2, tw, ti, experts=["triton"])
+
+
+@pytest.mark.parametrize("first, then", [(1, True), (4, 4.0)])
+def test_the_kernel_cache_never_lets_a_bad_chunk_size_through(first, then):
+    # True == 1 and 4.0 == 4 as dict keys: validating after the cache lookup let them pass.
+    x, w1, w2, tw, ti = layer(M=4)
+    moekit.fused_moe(x, w1, w2, tw, ti, chunk_size=first)
+    with pytest.raises(ChunkSizeError):
+        moekit.fused_moe(x, w1, w2, tw, ti, chunk_size=then)
+
+
+def test_ids_beyond_the_experts_are_named_on_the_cpu():
+    x, w1, w2, tw, ti = layer(M=4, E=4)
+    with pytest.raises(InvalidIdsError, match=r"in \[0, global_num_experts=4\)"):
+        moekit.fused_moe(x, w1, w2, tw, ti + 10)  # used to return zeros for those slots, silently
+
+
+def test_many_chunk_sizes_keep_a_bounded_cache_and_one_pool():
+    from moekit import api
+    from moekit.workspace import shared_pool
+
+    x, w1, w2, tw, ti = layer(M=3, E=4, K=32, N=64)
+    for C in range(1, 31):
+        moekit.fused_moe(x, w1, w2, tw, ti, chunk_size=C)
+    assert len(api._KERNELS) <= 16
+    assert {id(k.pool) for k in api._KERNELS.values()} == {id(shared_pool(x.device))}
+
+
+def test_two_threads_share_the_cached_kernel_correctly():
+    # Two threads with the same chunk size share one kernel and its pool: they take turns.
+    import threading
+
+    problems = [layer(M=20, E=4, K=32, N=64, seed=s) for s in (1, 2)]
+    outs = [None, None]
+
+    def work(i):
+        for _ in range(3):
+            outs[i] = moekit.fused_moe(*problems[i], chunk_size=8)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for (x, w1, w2, tw, ti), out in zip(problems, outs, strict=True):
+        assert_close(out, moe_reference(x, w1, w2, tw, ti), dtype=torch.float32)

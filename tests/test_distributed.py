@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moekit.distributed import _to_cpu, gather_traces, init_from_env, launch
+from moekit.distributed import gather_traces, init_from_env, launch, to_cpu
 from moekit.errors import DistributedError, InvalidInputError
 from moekit.testing import expect_raises
 
@@ -54,6 +54,54 @@ def hang_on_one(rank, world):
     return rank
 
 
+def fail_at_once_while_the_other_works(rank, world):
+    if rank == 0:
+        raise RuntimeError("rank zero fails at once")
+    time.sleep(45)  # works on, outside any collective
+    return rank
+
+
+def _listening(pids) -> list[str]:
+    """Local addresses of the LISTEN sockets that processes ``pids`` hold (Linux /proc)."""
+    inodes = set()
+    for pid in pids:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}") if os.path.islink(f"/proc/{pid}/fd/{fd}") else ""
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                found.append(cols[1].split(":")[0])
+    return found
+
+
+def listening_addresses(rank, world):
+    dist.barrier()  # every rank's gloo sockets exist, and the parent's store
+    addresses = _listening([os.getpid(), os.getppid()])
+    dist.barrier()
+    return addresses
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux's /proc/net/tcp")
+def test_nothing_listens_beyond_loopback():
+    # The rendezvous store once listened on every interface (*:PORT) while gloo kept to loopback.
+    loopback = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::1 as /proc writes them
+    results = launch(listening_addresses, 2, backend="gloo", timeout_s=60)
+    assert all(results), "found no listening socket: the check itself is broken"
+    assert all(set(r) <= loopback for r in results), results
+
+
+def test_a_failure_does_not_wait_for_the_slowest_rank():
+    start = time.monotonic()
+    with expect_raises(DistributedError, match="rank 0 of 2 failed") as caught:
+        launch(fail_at_once_while_the_other_works, 2, backend="gloo", timeout_s=120)
+    assert "rank zero fails at once" in caught.message
+    assert time.monotonic() - start < 20, "launch waited for the rank that was still working"
+
+
 def test_launch_returns_every_rank_in_order_and_gathers():
     results = launch(sum_ranks, 2, backend="gloo", args=(10,), timeout_s=60)
     assert [r["rank"] for r in results] == [0, 1]
@@ -88,6 +136,9 @@ def test_hanging_rank_times_out():
 def test_bad_arguments():
     with expect_raises(InvalidInputError, match="world_size"):
         launch(sum_ranks, 0)
+    for timeout in (0, -1, "5", True):
+        with expect_raises(InvalidInputError, match="timeout_s"):
+            launch(sum_ranks, 1, timeout_s=timeout)
     with expect_raises(InvalidInputError, match="backend"):
         launch(sum_ranks, 1, backend="mpi")
     if torch.cuda.device_count() < 64:
@@ -134,7 +185,7 @@ class _Box:
 
 def test_results_move_to_cpu_recursively():
     x = torch.ones(2, requires_grad=True)
-    out = _to_cpu({"a": [x * 2, (x,)], "b": _Box(x, [x]), "c": 3})
+    out = to_cpu({"a": [x * 2, (x,)], "b": _Box(x, [x]), "c": 3})
     assert not out["a"][0].requires_grad and out["c"] == 3
     assert isinstance(out["b"], _Box) and out["b"].items[0].device.type == "cpu"
 

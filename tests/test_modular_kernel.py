@@ -262,3 +262,96 @@ def test_bad_inputs_are_named_before_anything_runs():
     with pytest.raises(InvalidInputError, match="expert_map"):
         kernel(x, w1, w2, tw, ti, expert_map=torch.arange(6, dtype=torch.int32), global_num_experts=8)
     assert experts.calls == []
+
+
+def test_zero_tokens_are_validated_like_any_other_call():
+    # With M=0 a dtype mismatch, or fp8 with K=64, used to return an empty output silently.
+    x, w1, w2, tw, ti = problem(M=0)
+    kernel = ModularKernel(NoEPPrepareFinalize(), SwitchingTorchExperts())
+    with pytest.raises(InvalidInputError, match="hidden's dtype"):
+        kernel(x.double(), w1, w2, tw, ti)
+    from moekit.experts import TritonExperts
+
+    fp8 = moekit.testing.make_problem(0, E=4, K=64, N=256, quant=moekit.QuantScheme.FP8_BLOCK)
+    with pytest.raises(moekit.errors.QuantizationError, match="multiples of 128"):
+        ModularKernel(NoEPPrepareFinalize(), TritonExperts(quant=moekit.QuantScheme.FP8_BLOCK))(
+            *fp8.inputs(), **fp8.options())  # fmt: skip
+
+
+def test_bad_constructor_arguments_are_named_at_construction():
+    with pytest.raises(InvalidInputError, match="pool"):
+        ModularKernel(NoEPPrepareFinalize(), SwitchingTorchExperts(), pool="x")
+    with pytest.raises(InvalidInputError, match="guard"):
+        ModularKernel(NoEPPrepareFinalize(), SwitchingTorchExperts(), guard="no")
+
+
+def test_ids_beyond_global_experts_are_named_before_anything_runs():
+    x, w1, w2, tw, ti = problem(M=6)
+    experts = SwitchingTorchExperts()
+    with pytest.raises(InvalidIdsError, match="global_num_experts=6"):
+        ModularKernel(NoEPPrepareFinalize(), experts)(x, w1, w2, tw, ti + 6)
+    bad = ti.clone()
+    bad[0, 0] = -2
+    with pytest.raises(InvalidIdsError, match="-1"):
+        ModularKernel(NoEPPrepareFinalize(), experts)(x, w1, w2, tw, bad)
+    assert experts.calls == []
+
+
+def test_a_per_token_a2_scale_cannot_follow_dispatched_rows():
+    from moekit.prepare_finalize import BatchedPrepareFinalize
+
+    x, w1, w2, tw, ti = problem(M=6)
+    kernel = ModularKernel(BatchedPrepareFinalize(max_tokens=12), BatchedDouble())
+    with pytest.raises(moekit.errors.QuantizationError, match="per-token a2_scale"):
+        kernel(x, w1, w2, tw, ti, a2_scale=torch.ones(6))
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")
+def test_a_nan_token_stays_nan_through_the_fp8_layer():
+    # The fp8 quantization kernel used to drop a NaN from its group's scale: the token's output
+    # came out finite. The torch spec and the unquantized path propagate it.
+    from moekit.experts import TritonExperts
+
+    p = moekit.testing.make_problem(6, E=4, K=128, N=256, quant=moekit.QuantScheme.FP8_BLOCK, seed=3)
+    p.hidden[2, 7] = float("nan")
+    out = ModularKernel(NoEPPrepareFinalize(), TritonExperts(quant=moekit.QuantScheme.FP8_BLOCK))(
+        *p.inputs(), **p.options())  # fmt: skip
+    assert out[2].isnan().all() and not out[[0, 1, 3, 4, 5]].isnan().any()
+
+
+def test_the_per_chunk_recount_uses_the_expert_map():
+    # One process, EP rank 1 of 2: a consumer of the counts (GroupedMMExperts groups rows by
+    # them) is right only if every chunk's recount maps global ids to this rank's local ids.
+    from moekit.experts import GroupedMMExperts
+
+    full = moekit.testing.make_problem(30, E=8, topk=2, K=32, N=64, dtype=torch.float32, seed=5)
+    rank1 = full.shard(1, 2)
+    kernel = ModularKernel(NoEPPrepareFinalize(return_counts=True), GroupedMMExperts(), chunk_size=8)
+    out = kernel(*rank1.inputs(), **rank1.options())
+    assert_close(out, rank1.reference(), dtype=torch.float32)
+    local = moekit.reference.count_reference(rank1.topk_ids, 4, rank1.expert_map)
+    assert torch.equal(kernel.last_trace.counts_matrix().sum(0), local.long())
+
+
+def test_two_threads_sharing_one_kernel_take_turns():
+    # They share one workspace pool: the Triton experts compute through it (GEMM1 -> workspace13
+    # -> activation -> workspace2 -> GEMM2). Without the pool's lock, results were corrupted.
+    import threading
+
+    from moekit.experts import TritonExperts
+
+    kernel = ModularKernel(NoEPPrepareFinalize(), TritonExperts(), chunk_size=4)
+    cases = [problem(M=17, K=32, N=64, seed=s) for s in (1, 2, 3)]
+    outs = [None] * 3
+
+    def work(i):
+        for _ in range(4):
+            outs[i] = kernel(*cases[i])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for (x, w1, w2, tw, ti), out in zip(cases, outs, strict=True):
+        assert_close(out, moe_reference(x, w1, w2, tw, ti), dtype=torch.float32)

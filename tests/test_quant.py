@@ -112,6 +112,16 @@ def test_block_scales_are_per_block():
     torch.testing.assert_close(scale, torch.tensor([[1.0, 1.0], [100.0, 1.0]]) / FP8_MAX)
 
 
+def _q_block(E, R, C, take=None):
+    q, s = quantize_fp8_block(torch.randn(E, R, C))
+    return q, (s if take is None else s[take])
+
+
+def _q_rows(M, K, take=None):
+    q, s = quantize_fp8_per_token_group(torch.randn(M, K))
+    return q, (s if take is None else s[take])
+
+
 @pytest.mark.parametrize(
     "call",
     [
@@ -121,6 +131,14 @@ def test_block_scales_are_per_block():
         lambda: quantize_fp8_per_token_group(torch.zeros(2, 2, 128)),
         lambda: quantize_fp8_block(torch.zeros(128, 128, dtype=FP8)),
         lambda: quantize_fp8_block(torch.zeros(128)),
+        lambda: quantize_fp8_block(torch.randn(128, 128), block=0),
+        lambda: quantize_fp8_block(torch.randn(128, 128), block=-128),
+        lambda: quantize_fp8_per_token_group(torch.randn(2, 128), group=0),
+        # Malformed scales used to broadcast: expert 0's scales for every expert, row 0's for every row.
+        lambda: dequantize_fp8_block(*_q_block(3, 128, 128, take=0)),
+        lambda: dequantize_fp8_per_token_group(*_q_rows(4, 256, take=slice(0, 1))),
+        lambda: dequantize_fp8_per_token_group(_q_rows(4, 256)[0], torch.ones(4, 3)),
+        lambda: dequantize_fp8_block(torch.randn(3, 128, 128), torch.ones(3, 1, 1)),  # not fp8
     ],
 )
 def test_errors(call):

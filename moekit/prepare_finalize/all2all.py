@@ -1,13 +1,16 @@
 """``All2AllPrepareFinalize``: expert parallelism over torch.distributed, Standard format.
 
-Each of the W ranks owns a contiguous block of ``E_local = E_global / W`` experts, so the owner of
-global expert g is ``g // E_local``. One forward on every rank::
+Each of the W ranks owns some experts, as the ranks' expert maps say: any placement in which
+every expert has exactly one owner (contiguous blocks of equal or different sizes, from
+:func:`moekit.routing.contiguous_expert_map`, or any other). One forward on every rank::
 
     prepare (rank r, its own M tokens, topk_ids [M, topk] global)
+      agree(dtype, K, E, topk, quant, placement)         # one small exchange; named error on
+                                                         # every rank if any rank differs
       a1q, scale = quantize(hidden)                      # as the experts ask (fp8 block or not)
       pairs = [(m, j) for m, j if topk_ids[m, j] >= 0]   # -1 slots are not sent
-      pairs.sort(key=global id)                          # groups pairs by owner, then by expert
-      counts[g] = pairs with expert g                    # [W * E_local]
+      pairs.sort(key=(owner, local id))                  # groups pairs by owner, then by expert
+      counts[d][e] = pairs for rank d's local expert e
       recv_counts = all_to_all(counts)                   # [W, E_local]: what each source sends me
       rows, scales, ids = all_to_all(a1q[m], scale[m], g for (m, j) in pairs)
       -> Prepared(a1q=rows [R, K], topk_ids=ids [R, 1] (global), topk_weights=ones [R, 1],
@@ -33,8 +36,8 @@ import torch
 import torch.distributed as dist
 
 from moekit.errors import DistributedError, InvalidIdsError, InvalidInputError
+from moekit.prepare_finalize.agreement import Agreement
 from moekit.prepare_finalize.base import PrepareFinalize, quantize_activations, weight_and_reduce
-from moekit.routing import contiguous_expert_map
 from moekit.types import ActivationFormat, ExpertPlacement, ExpertTokensMetadata, Prepared, QuantScheme
 
 
@@ -77,12 +80,13 @@ class All2AllPrepareFinalize(PrepareFinalize):
     dispatches = True
 
     def __init__(self, *, group=None, timeout_s: float | None = None):
-        if timeout_s is not None and not timeout_s > 0:
-            raise InvalidInputError(f"timeout_s must be > 0 or None, got {timeout_s!r}")
+        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float)
+                                      or not timeout_s > 0):  # fmt: skip
+            raise InvalidInputError(f"timeout_s must be a number > 0 (seconds) or None, got {timeout_s!r}")
         self.group = group
         self.timeout_s = timeout_s
         self.last_handle: DispatchHandle | None = None  # the latest prepare's, for inspection
-        self._map_checked: tuple | None = None
+        self._agreement = Agreement(group)
 
     def __repr__(self) -> str:
         return f"All2AllPrepareFinalize(timeout_s={self.timeout_s})"
@@ -95,32 +99,6 @@ class All2AllPrepareFinalize(PrepareFinalize):
                 "under moekit.distributed.launch(...) or torchrun + moekit.distributed.init_from_env()"
             )
         return dist.get_rank(self.group), dist.get_world_size(self.group)
-
-    def _check_placement(self, placement: ExpertPlacement, rank: int, world: int, device) -> None:
-        E, E_local = placement.global_num_experts, placement.num_local_experts
-        if E != world * E_local:
-            raise InvalidInputError(
-                f"expert parallelism over {world} ranks needs E_global = {world} x E_local, got "
-                f"E_global={E}, E_local={E_local}"
-            )
-        if placement.expert_map is None:
-            if world > 1:
-                raise InvalidInputError(
-                    f"rank {rank} of {world} got no expert_map; pass "
-                    f"expert_map=moekit.routing.contiguous_expert_map({E}, {world}, {rank})"
-                )
-            return
-        emap = placement.expert_map
-        seen = (emap.data_ptr(), emap._version, emap.numel(), rank, world)
-        if seen == self._map_checked:  # comparing is a host sync on a GPU: once per map
-            return
-        want = contiguous_expert_map(E, world, rank, device=device)
-        if not torch.equal(emap.to(want.dtype), want):
-            raise InvalidInputError(
-                f"rank {rank} must own the contiguous experts [{rank * E_local}, {(rank + 1) * E_local}); "
-                f"its expert_map does not say so (use contiguous_expert_map({E}, {world}, {rank}))"
-            )
-        self._map_checked = seen
 
     def _exchange(self, out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, what: str):
         work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=True)
@@ -151,28 +129,35 @@ class All2AllPrepareFinalize(PrepareFinalize):
     ) -> Prepared:
         rank, world = self._world()
         device = hidden.device
-        self._check_placement(placement, rank, world, device)
-        E, E_local = placement.global_num_experts, placement.num_local_experts
         M, topk = topk_ids.shape
         K = hidden.shape[1]
+        agreed = self._agreement.check(hidden, topk, quant, placement)  # named error on every rank
+        E, E_local = placement.global_num_experts, placement.num_local_experts
 
-        # Sort keys: the global id, E for an empty slot (-1), E + 1 for an invalid id; sorting
-        # groups the pairs by owner rank, then by expert, with the unsent ones last.
+        # Sort keys: the expert's place in (owner, local id) order, E for an empty slot (-1), E + 1
+        # for an invalid id; sorting groups the pairs by owner rank, then by its local expert.
         flat = topk_ids.reshape(-1).long()  # [M * topk]
-        key = torch.where(flat < 0, E, torch.where(flat >= E, E + 1, flat))
+        valid = (flat >= 0) & (flat < E)
+        key = torch.where(valid, agreed.position[flat.clamp(0, E - 1)], torch.where(flat < 0, E, E + 1))
         order = torch.argsort(key, stable=True)
         hist = torch.zeros(E + 2, dtype=torch.int64, device=device).scatter_add_(0, key, torch.ones_like(key))
-        # Per destination: pairs for each of its experts, plus this rank's invalid-id count, so
-        # that a bad id on one rank makes every rank raise instead of leaving the others waiting.
-        send = torch.cat([hist[:E].view(world, E_local), hist[E + 1 :].expand(world, 1)], dim=1)
-        recv = torch.empty_like(send)
-        self._wait(self._exchange(recv.view(-1), send.view(-1), None, None, "the split sizes"))
-        both = torch.stack([send, recv]).cpu()  # [2, W, E_local + 1]: the one host sync
-        bad = both[1, :, E_local].nonzero().flatten().tolist()
+        # Per destination d: pairs for each of d's experts in its local order, plus this rank's
+        # invalid-id count, so that a bad id on one rank makes every rank raise instead of waiting.
+        chunks, start = [], 0
+        for size in agreed.sizes:
+            chunks += [hist[start : start + size], hist[E + 1 :]]
+            start += size
+        send = torch.cat(chunks)
+        recv = torch.empty((world, E_local + 1), dtype=torch.int64, device=device)
+        self._wait(self._exchange(recv.view(-1), send, [E_local + 1] * world, [s + 1 for s in agreed.sizes],
+                                  "the split sizes"))  # fmt: skip
+        sent_cpu, recv_cpu = hist.cpu(), recv.cpu()  # the host sync of the exact-size exchange
+        bad = recv_cpu[:, E_local].nonzero().flatten().tolist()
         if bad:
             raise InvalidIdsError(f"topk_ids must be in [0, E_global={E}) or -1; rank(s) {bad} passed larger")
-        counts = both[:, :, :E_local]  # [2, W, E_local]: sent to / received from each rank, per expert
-        send_splits, recv_splits = counts[0].sum(1).tolist(), counts[1].sum(1).tolist()
+        send_splits = [int(sent_cpu[a:b].sum()) for a, b in _bounds(agreed.sizes)]
+        recv_counts = recv_cpu[:, :E_local]  # [W, E_local]: received from each rank, per expert
+        recv_splits = recv_counts.sum(1).tolist()
         R = sum(recv_splits)
         pairs = order[: sum(send_splits)]  # [S] flat (token, slot) indices, in sending order
         gid, token = flat[pairs], pairs // topk
@@ -192,9 +177,9 @@ class All2AllPrepareFinalize(PrepareFinalize):
             pending.append(self._exchange(scales, sent, recv_splits, send_splits, "scales"))
         self._wait(*pending)
 
-        per_expert = counts[1].sum(0).to(torch.int32)  # [E_local], CPU
+        per_expert = recv_counts.sum(0).to(torch.int32)  # [E_local], CPU
         meta = ExpertTokensMetadata(per_expert.to(device), per_expert)
-        handle = DispatchHandle(send_splits, recv_splits, pairs, topk_weights, M, topk, counts[1])
+        handle = DispatchHandle(send_splits, recv_splits, pairs, topk_weights, M, topk, recv_counts)
         self.last_handle = handle
         return Prepared(
             a1q=rows.view(a1q.dtype),
@@ -224,3 +209,12 @@ class All2AllPrepareFinalize(PrepareFinalize):
         per_slot = torch.zeros((h.M * h.topk, K), dtype=torch.float32, device=output.device)
         per_slot[h.pairs] = back.float()  # -1 slots stay 0
         return weight_and_reduce(per_slot.view(h.M, h.topk, K), h.topk_weights, output)
+
+
+def _bounds(sizes) -> list[tuple[int, int]]:
+    """[start, end) of each rank's block of experts in (owner, local id) order."""
+    out, start = [], 0
+    for size in sizes:
+        out.append((start, start + size))
+        start += size
+    return out

@@ -121,10 +121,16 @@ def test_chunk_size_is_ignored():
 
 
 @pytest.mark.parametrize("cls", CLASSES)
-def test_m_zero(cls):
+def test_m_zero_runs_no_experts_and_records_no_chunk(cls):
     hidden, w1, w2, weights, ids = _layer(0, 32, 32, 4, 2, torch.float32)
-    out = moekit.ModularKernel(BatchedPrepareFinalize(max_tokens=4), cls())(hidden, w1, w2, weights, ids)
-    assert out.shape == (0, 32)
+
+    class Watched(cls):
+        def apply(self, call):
+            raise AssertionError("experts ran for M=0")
+
+    kernel = moekit.ModularKernel(BatchedPrepareFinalize(max_tokens=4), Watched())
+    out = kernel(hidden, w1, w2, weights, ids)
+    assert out.shape == (0, 32) and len(kernel.last_trace) == 0 and kernel.last_trace.M == 0
 
 
 class _StandardDouble(Experts):

@@ -159,14 +159,14 @@ def bad_inputs(rank: int, world: int) -> list[str]:
     caught = []
     attempts = {
         "no map": ExpertPlacement(4, 2, None),
-        "wrong map": ExpertPlacement(4, 2, contiguous_expert_map(4, world, (rank + 1) % world)),
-        "E != W * E_local": ExpertPlacement(6, 2, torch.full((6,), -1, dtype=torch.int32)),
+        "two owners": ExpertPlacement(4, 2, contiguous_expert_map(4, world, 0)),  # both ranks claim 0, 1
+        "no owner": ExpertPlacement(6, 2, torch.full((6,), -1, dtype=torch.int32)),
     }
     for what, placement in attempts.items():
         try:
             pf.prepare(hidden, weights, ids, quant=QuantScheme.NONE, placement=placement)
         except InvalidInputError as e:
-            caught.append(f"{what}: {type(e).__name__}")
+            caught.append(f"{what}: {type(e).__name__}" + (" owners" if "owner" in str(e) else ""))
     try:
         placement = ExpertPlacement(4, 2, contiguous_expert_map(4, world, rank))
         pf.prepare(hidden, weights, ids + 4 * (rank == 0), quant=QuantScheme.NONE, placement=placement)
@@ -182,11 +182,47 @@ def test_bad_inputs_raise_named_errors():
     results = launch(bad_inputs, 2, backend="gloo", timeout_s=TIMEOUT)
     assert results[0] == results[1] == [
         "no map: InvalidInputError",
-        "wrong map: InvalidInputError",
-        "E != W * E_local: InvalidInputError",
+        "two owners: InvalidInputError owners",
+        "no owner: InvalidInputError owners",
         "id >= E: InvalidIdsError True",
         "then ok: True",
     ]
+
+
+def disagreeing_ranks(rank: int, world: int) -> list[str]:
+    """Ranks that disagree about the layer: every rank raises the same named error, nobody hangs."""
+    pf = All2AllPrepareFinalize(timeout_s=30)
+    placement = ExpertPlacement(4, 2, contiguous_expert_map(4, world, rank))
+    ids = torch.tensor([[0, 1], [2, 3], [1, 0]])
+    caught = []
+    cases = {  # rank 1 differs in one thing each time
+        "dtype": dict(hidden=torch.randn(3, 8, dtype=torch.float16 if rank else torch.bfloat16)),
+        "K": dict(hidden=torch.randn(3, 64 if rank else 32)),
+        "E": dict(placement=ExpertPlacement(6, 2, contiguous_expert_map(6, 3, rank)) if rank else placement),
+    }
+    for what, change in cases.items():
+        kw = {"hidden": torch.randn(3, 8), "placement": placement} | change
+        try:
+            pf.prepare(kw["hidden"], torch.rand(3, 2), ids, quant=QuantScheme.NONE, placement=kw["placement"])
+            caught.append(f"{what}: no error")
+        except InvalidInputError as e:
+            caught.append(f"{what}: {'rank(s) [1]' in str(e)} {what.split()[0] in str(e) or 'dtype' in str(e)}")
+    return caught
+
+
+def test_ranks_that_disagree_all_raise_a_named_error():
+    # Before: fp16 on one rank and bf16 on another computed garbage; K=32 vs 64 aborted gloo.
+    results = launch(disagreeing_ranks, 2, backend="gloo", timeout_s=TIMEOUT)
+    assert results[0] == results[1] == ["dtype: True True", "K: True True", "E: True True"], results
+
+
+def uneven_placement(rank: int, world: int, E: int) -> list:
+    """8 experts over 3 ranks as 3, 3, 2 (vLLM's rule): the whole layer against the reference."""
+    from moekit.ep import EPConfig, run_rank
+
+    config = EPConfig((9, 0, 5), E=E, topk=2, K=64, N=64, chunk_size=4, experts="triton", empty_every=3)
+    r = run_rank(rank, world, config, gather=False)
+    return [r.error, r.close, r.tokens_meta]
 
 
 def test_needs_a_process_group():
@@ -195,3 +231,9 @@ def test_needs_a_process_group():
     with expect_raises(DistributedError, match="init_from_env"):
         pf.prepare(torch.randn(2, 8), torch.rand(2, 1), torch.zeros(2, 1, dtype=torch.int32),
                    quant=QuantScheme.NONE, placement=ExpertPlacement(2, 2, None))
+
+
+def test_uneven_expert_placement_over_three_ranks():
+    results = launch(uneven_placement, 3, backend="gloo", args=(8,), timeout_s=TIMEOUT)
+    assert [len(meta) for _, _, meta in results] == [3, 3, 2]
+    assert all(err is None and close for err, close, _ in results), results
