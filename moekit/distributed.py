@@ -246,8 +246,9 @@ def _loopback_store(timeout_s: float) -> dist.TCPStore:
     listener.bind(("127.0.0.1", 0))
     listener.listen(128)
     port = listener.getsockname()[1]
+    timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                          master_listen_fd=listener.fileno(), timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
+                          master_listen_fd=listener.fileno(), timeout=timeout)  # fmt: skip
     listener.detach()  # the store closes the descriptor now
     return store
 

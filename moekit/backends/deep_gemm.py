@@ -205,7 +205,8 @@ def use(module: object, *, reason: str = "given by moekit.backends.deep_gemm.use
     global _CACHE
     api = detect_api(module)
     if api is None:
-        raise BackendUnavailableError(f"{module!r} exposes none of the known contiguous GEMMs ({[a[1] for a in _APIS]})")
+        known = [gemm for _, gemm, _ in _APIS]
+        raise BackendUnavailableError(f"{module!r} exposes none of the known contiguous GEMMs ({known})")
     saved, failures = _CACHE, dict(_BUILD_FAILURES)
     _CACHE = (DeepGemmStatus(True, reason, api), module)
     _BUILD_FAILURES.clear()

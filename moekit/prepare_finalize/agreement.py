@@ -120,8 +120,7 @@ class Agreement:
         position = torch.empty_like(by_position)
         position[by_position] = torch.arange(E)
         sizes = tuple(owned.sum(1).tolist())
-        to = (lambda t: t.to(device))  # noqa: E731
-        return Placement(to(owner), to(local), sizes, to(position), to(by_position))
+        return Placement(owner.to(device), local.to(device), sizes, position.to(device), by_position.to(device))
 
 
 def _gather(t: torch.Tensor, world: int, group) -> torch.Tensor:

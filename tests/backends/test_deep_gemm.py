@@ -143,7 +143,8 @@ class RefusingDeepGemm:
         (a, a_s), (b, b_s) = lhs, rhs
         self.calls.append((b.shape[1], b.shape[2]))
         if b.shape[2] == 128:
-            raise subprocess.CalledProcessError(1, ["nvcc"], stderr='static assertion failed with "Misaligned barriers"')
+            error = 'static assertion failed with "Misaligned barriers"'
+            raise subprocess.CalledProcessError(1, ["nvcc"], stderr=error)
         contiguous_gemm(a, a_s, b, b_s, m_indices, out=out)
 
 
