@@ -15,15 +15,13 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import moekit  # noqa: E402
-from benchmarks.harness import common, measure  # noqa: E402
-from moekit.experts import DeepGemmExperts  # noqa: E402
-from moekit.prepare_finalize import NoEPPrepareFinalize  # noqa: E402
-from moekit.testing import make_problem  # noqa: E402
+import moekit
+from benchmarks.harness import common, measure
+from moekit.experts import DeepGemmExperts
+from moekit.prepare_finalize import NoEPPrepareFinalize
+from moekit.testing import make_problem
 
 
 def run(shape_name: str, M: int, C: int, *, out: str | None) -> list[dict]:

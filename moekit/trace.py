@@ -18,6 +18,8 @@ class ChunkRecord:
     - ``output_shape``: the chunk's slice of the whole-batch output.
     - ``counts``: the chunk's own tokens per local expert, on the compute device (no sync;
       :meth:`Trace.counts_matrix` copies), or None when not recorded.
+    - ``start``/``end``: tokens of the batch (``chunk_by="tokens"``) or rows of the expert-sorted
+      layout (``chunk_by="rows"``), then ``M`` counts rows.
     - ``completed``: False when ``apply`` raised on this chunk (the record is kept, so a trace
       of a failed forward shows how far it got and what the failing chunk was handed).
     """
@@ -32,6 +34,7 @@ class ChunkRecord:
     needed: WorkspaceShapes | None = None
     completed: bool = True
     note: str = ""  # why the backend ran, when it was a fallback (Experts.why)
+    expert_bytes: int = 0  # bytes of one expert's weights (w1 + w2 and scales), for weight_bytes
 
     def __post_init__(self):
         if self.needed is None:
@@ -44,6 +47,17 @@ class ChunkRecord:
     @property
     def workspace_bytes(self) -> int:
         return self.shapes.workspace_bytes
+
+    @property
+    def experts_touched(self) -> int | None:
+        """Local experts with at least one row in this chunk (None without recorded counts; syncs)."""
+        return None if self.counts is None else int((self.counts > 0).sum())
+
+    @property
+    def weight_bytes(self) -> int | None:
+        """Weight bytes this chunk's GEMMs read at least once: experts touched x bytes per expert."""
+        touched = self.experts_touched
+        return None if touched is None else touched * self.expert_bytes
 
     def row(self) -> dict:
         return {
@@ -67,6 +81,7 @@ class Trace:
     experts: str
     workspace_policy: str
     metadata_policy: str
+    chunk_by: str = "tokens"
     chunks: list[ChunkRecord] = field(default_factory=list)
     peak_workspace_bytes: int = 0
     # Rows the experts saw: M without dispatch; the received rows after an all-to-all (their
@@ -85,6 +100,12 @@ class Trace:
 
     def rows(self) -> list[dict]:
         return [c.row() for c in self.chunks]
+
+    @property
+    def weight_bytes(self) -> int | None:
+        """Weight bytes all chunks read (an expert touched by k chunks counts k times); syncs."""
+        per_chunk = [c.weight_bytes for c in self.chunks]
+        return None if not per_chunk or None in per_chunk else sum(per_chunk)
 
     def handed_vs_needed(self) -> list[dict]:
         """One row per chunk: the buffers and output slice it was handed beside what its own

@@ -237,7 +237,12 @@ class ExpertsCall:
     - ``tokens_meta``: this chunk's tokens per local expert, or None;
     - ``a2_scale``: a static scale for the fp8 requantization between the GEMMs, or None;
     - ``guard``: run moekit's own consistency checks (for example that ``tokens_meta`` describes
-      these rows). False replays what upstream did without them (``ModularKernel(guard=False)``).
+      these rows). False replays what upstream did without them (``ModularKernel(guard=False)``);
+    - ``layout``/``rows``: for a chunk of expert-sorted rows (``ModularKernel(chunk_by="rows")``),
+      the whole batch's sorted layout (``moekit.kernels.align.AlignedBlocks``, 128-row blocks)
+      and the chunk's rows in it (``moekit.kernels.fused_moe.RowChunk``). Then ``hidden``,
+      ``topk_ids`` and ``output`` are the whole batch's, and ``problem`` its sizes; the chunk
+      writes the outputs of its own pairs only. None for a chunk of tokens.
     """
 
     output: torch.Tensor
@@ -253,6 +258,8 @@ class ExpertsCall:
     tokens_meta: ExpertTokensMetadata | None = None
     a2_scale: torch.Tensor | None = None
     guard: bool = True
+    layout: object = None
+    rows: object = None
 
     @property
     def expert_map(self) -> torch.Tensor | None:

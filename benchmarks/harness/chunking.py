@@ -3,10 +3,13 @@
 For each chunk size C (``None`` = one chunk) one ModularKernel runs the same M tokens. The bench
 checks each against the fp32 reference and against the unchunked output, times it, and reads
 the workspace peak from ``ModularKernel.last_trace.peak_workspace_bytes``. Target: C=1024
-takes <= 1.08x the unchunked time. A second, declared-only table (no GPU) shows the workspace
+takes <= 1.08x the unchunked time. ``--rows`` adds chunks of expert-sorted rows
+(``ModularKernel(chunk_by="rows")``; default: R = C x topk, the same workspace rows as each C),
+and every run records the weight bytes its chunks read. A second, declared-only table (no GPU) shows the workspace
 the experts ask for at several M: for a fixed C it stops growing once M >= C::
 
     python -m benchmarks.harness chunking --shape qwen3_30b_a3b --M 16384 --C 256 512 1024 2048 4096 None
+    python -m benchmarks.harness chunking --M 16384 --C 1024 None --rows 8192 16384
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--shape", default="qwen3_30b_a3b", choices=sorted(roofline.SHAPES))
     p.add_argument("--M", type=int, default=16384)
     p.add_argument("--C", type=parse_chunk, nargs="+", default=[256, 512, 1024, 2048, 4096, None])
+    p.add_argument("--rows", type=parse_chunk, nargs="*", default=None,
+                   help="sorted rows per chunk for chunk_by='rows' (multiples of 128; default C x topk "
+                        "for each C; pass --rows with no value to skip)")
     p.add_argument("--dtype", default="bf16", choices=common.DTYPES)
     p.add_argument("--experts", default="triton", choices=EXPERTS)
     p.add_argument("--ws-M", type=int, nargs="+", default=[1024, 4096, 16384, 65536],
@@ -92,8 +98,15 @@ def _act_dtype(dtype: str) -> torch.dtype:
     return torch.float8_e4m3fn if dtype == "fp8" else torch.bfloat16
 
 
+def row_sizes(args: argparse.Namespace, topk: int) -> list[int]:
+    """The R of ``--rows``, or C x topk rounded up to 128 rows for each C."""
+    if args.rows is not None:
+        return [R for R in args.rows if R is not None]
+    return sorted({-(-C * topk // 128) * 128 for C in args.C if C is not None})
+
+
 def run(args: argparse.Namespace, emit, *, device) -> list[dict]:
-    """Time and check every C (the unchunked baseline first) on ``device``; ``emit(rows)`` after each."""
+    """Time and check every plan (the unchunked baseline first) on ``device``; ``emit(rows)`` after each."""
     from benchmarks.harness.problem import build_problem, reference_for
     from moekit.modular_kernel import ModularKernel
     from moekit.prepare_finalize import NoEPPrepareFinalize
@@ -104,16 +117,18 @@ def run(args: argparse.Namespace, emit, *, device) -> list[dict]:
     ref = reference_for(x, sample)
     unique = int(torch.unique(x.topk_ids).numel())
     floor = roofline.layer_floor(shape, args.M, unique, common.quant_of(args.dtype))
-    order = [None] + [C for C in args.C if C is not None]
+    order = [("tokens", None)] + [("tokens", C) for C in args.C if C is not None]
+    order += [("rows", R) for R in row_sizes(args, shape.topk)]
     rows: list[dict] = []
     baseline_out, baseline_us = None, None
-    for C in order:
-        row = {"C": C, "M": args.M, "experts": args.experts, "floor_us": floor.us}
+    for plan, C in order:
+        row = {"C": C, "chunk_by": plan, "M": args.M, "experts": args.experts, "floor_us": floor.us}
         try:
             kernel = ModularKernel(NoEPPrepareFinalize(), make_experts(args.experts, args.dtype),
-                                   chunk_size=C, trace_counts=False)
+                                   chunk_size=C, chunk_by=plan, trace_counts=True)
             call = lambda k=kernel: k(*x.inputs(), **x.options())
             out = call()
+            kernel.trace_counts = False  # the counts (for weight_bytes) only in the checked run
             row["rel_err"] = measure.rel_error(out[sample], ref)
             if baseline_out is None:
                 baseline_out = out
@@ -121,7 +136,7 @@ def run(args: argparse.Namespace, emit, *, device) -> list[dict]:
                 row["rel_diff_vs_unchunked"] = measure.rel_error(out, baseline_out.float())
             trace = kernel.last_trace
             row |= {"chunks": len(trace), "backends": sorted(set(trace.backends)),
-                    "peak_workspace_bytes": trace.peak_workspace_bytes}
+                    "peak_workspace_bytes": trace.peak_workspace_bytes, "weight_bytes": trace.weight_bytes}
             del out
             row["us"] = measure.eager_us(call)
             row["pool_grows"] = kernel.pool.grows  # 1: only the first chunk allocated
@@ -141,7 +156,8 @@ def run(args: argparse.Namespace, emit, *, device) -> list[dict]:
     return rows
 
 
-COLUMNS = ["C", "chunks", ("us", "us", ".1f"), ("ratio_vs_unchunked", "x unchunked", ".3f"), "target_met",
+COLUMNS = ["chunk_by", "C", "chunks", ("weight_gib", "weights GiB", ".2f"), ("us", "us", ".1f"),
+           ("ratio_vs_unchunked", "x unchunked", ".3f"), "target_met",
            ("ws_mib", "workspace MiB", ".1f"), ("peak_mib", "peak MiB", ".0f"), "pool_grows",
            ("rel_err", "rel err", ".1e"), ("rel_diff_vs_unchunked", "vs C=None", ".1e"), "status"]
 
@@ -149,7 +165,8 @@ COLUMNS = ["C", "chunks", ("us", "us", ".1f"), ("ratio_vs_unchunked", "x unchunk
 def _display(row: dict) -> dict:
     mib = lambda key: row[key] / 2**20 if row.get(key) is not None else None
     met = row.get("target", {}).get("met")
-    return row | {"ws_mib": mib("peak_workspace_bytes"), "peak_mib": mib("peak_bytes"),
+    gib = row["weight_bytes"] / 2**30 if row.get("weight_bytes") is not None else None
+    return row | {"ws_mib": mib("peak_workspace_bytes"), "peak_mib": mib("peak_bytes"), "weight_gib": gib,
                   "target_met": None if met is None else ("met" if met else "MISSED"),
                   "C": "None" if row.get("C") is None else row["C"]}
 
@@ -176,7 +193,8 @@ def main(argv: list[str] | None = None, *, device=None) -> int:
         print(format_table([r | {"C": str(r["C"])} for r in declared], ["C", *[f"M={M}" for M in args.ws_M]]))
     reason = common.gpu_or_reason()
     if args.dry_run or reason is not None:
-        print(f"\nplan: M={args.M}, C in {Cs}, time vs C=None (target: C={TARGET_C} <= {TARGET_RATIO}x)")
+        print(f"\nplan: M={args.M}, C in {Cs}, sorted rows R in {row_sizes(args, shape.topk)}, time vs C=None "
+              f"(target: C={TARGET_C} <= {TARGET_RATIO}x)")
         if reason is not None and not args.dry_run:
             print(f"chunking bench: needs a CUDA GPU ({reason}); pass --dry-run to print only the plan.",
                   file=sys.stderr)
@@ -190,7 +208,7 @@ def main(argv: list[str] | None = None, *, device=None) -> int:
 
     def emit(rows):
         r = _display(rows[-1])
-        print(f"  C={r['C']:>5} {r.get('us') or float('nan'):>10.1f} us  {r['status']}", flush=True)
+        print(f"  {r['chunk_by']:>6} C={r['C']:>5} {r.get('us') or float('nan'):>10.1f} us  {r['status']}", flush=True)
         save_rows(rows, args, env, name=name, extra=extra)
 
     rows = run(args, emit, device=device)

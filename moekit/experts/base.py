@@ -44,12 +44,14 @@ class Experts(ABC):
     """Base class of every experts implementation.
 
     Class attributes say what the modular kernel may ask: ``supports_chunking`` (the token
-    dimension may be split), ``supports_expert_map`` (expert parallelism), ``uses_tokens_meta``
-    (``apply`` reads the tokens-per-expert counts, so stale ones matter).
+    dimension may be split), ``supports_row_chunks`` (chunks of expert-sorted rows, see
+    :meth:`row_workspace_shapes`), ``supports_expert_map`` (expert parallelism),
+    ``uses_tokens_meta`` (``apply`` reads the tokens-per-expert counts, so stale ones matter).
     """
 
     activation_format: ClassVar[ActivationFormat] = ActivationFormat.STANDARD
     supports_chunking: ClassVar[bool] = True
+    supports_row_chunks: ClassVar[bool] = False
     supports_expert_map: ClassVar[bool] = True
     uses_tokens_meta: ClassVar[bool] = False
 
@@ -104,6 +106,17 @@ class Experts(ABC):
         tokens_meta: ExpertTokensMetadata | None = None,
     ) -> WorkspaceShapes:
         """Declare workspace13, workspace2 and the output for ``problem`` (this chunk's M)."""
+
+    def row_workspace_shapes(self, rows: int, problem: ProblemSize, *, act_dtype: torch.dtype) -> WorkspaceShapes:
+        """Declare the workspaces for a chunk of ``rows`` expert-sorted rows of the batch ``problem``
+        (``call.rows`` set in ``apply``); the output is the whole batch's ``[M, topk, K]``."""
+        from moekit.errors import InvalidInputError
+
+        raise InvalidInputError(f"{self.name} does not support chunks of sorted rows (chunk_by='rows')")
+
+    def backend_for_rows(self, rows: int, problem: ProblemSize) -> str:
+        """The backend a chunk of ``rows`` sorted rows runs."""
+        return self.backend_for(problem)
 
     @abstractmethod
     def apply(self, call: ExpertsCall) -> str:

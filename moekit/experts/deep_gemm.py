@@ -35,7 +35,14 @@ from moekit.backends import deep_gemm as dg
 from moekit.errors import BackendUnavailableError, InvalidInputError, QuantizationError, StaleMetadataError
 from moekit.experts.base import Experts, carve
 from moekit.kernels.contiguous_gemm import GemmConfig, contiguous_gemm, default_config
-from moekit.kernels.permute import ALIGN_M, ContiguousLayout, permute_to_contiguous, unpermute_from_contiguous
+from moekit.kernels.permute import (
+    ALIGN_M,
+    ContiguousLayout,
+    gather_positions,
+    permute_to_contiguous,
+    scatter_positions,
+    unpermute_from_contiguous,
+)
 from moekit.quant import FP8, FP8_GROUP
 from moekit.types import ExpertsCall, ExpertTokensMetadata, MoEWeights, ProblemSize, QuantScheme, WorkspaceShapes
 
@@ -90,6 +97,7 @@ class DeepGemmExperts(Experts):
     """
 
     supports_chunking = True
+    supports_row_chunks = True
     supports_expert_map = True
     uses_tokens_meta = True
 
@@ -180,6 +188,16 @@ class DeepGemmExperts(Experts):
         out = (pairs, K) if self.flat_output else (problem.M, problem.topk, K)
         return WorkspaceShapes((M_sum, max(problem.N, K)), (M_sum + R_idx, W2), out, torch.bfloat16)
 
+    def row_workspace_shapes(self, rows: int, problem: ProblemSize, *, act_dtype: torch.dtype) -> WorkspaceShapes:
+        """For a chunk of ``rows`` sorted rows (a multiple of 128, already the contiguous layout):
+        ``(rows, max(N, K))``, ``(rows + R_idx, max(N/2, K))`` (R_idx rows hold m_indices and
+        block_rows), the whole output ``(M, topk, K)``, bf16."""
+        W2 = max(problem.N // 2, problem.K)
+        R_idx = math.ceil((4 * rows + 4 * (rows // ALIGN_M) + 64) / (2 * W2))
+        pairs, K = problem.M * problem.topk, problem.K
+        out = (pairs, K) if self.flat_output else (problem.M, problem.topk, K)
+        return WorkspaceShapes((rows, max(problem.N, K)), (rows + R_idx, W2), out, torch.bfloat16)
+
     # ----------------------------------------------------------------------------------------
     @staticmethod
     def _layout(ws2: torch.Tensor, M_sum: int, pairs: int, E: int, K: int) -> ContiguousLayout:
@@ -194,6 +212,8 @@ class DeepGemmExperts(Experts):
 
     def apply(self, call: ExpertsCall) -> str:
         """permute -> GEMM1 -> silu_and_mul + fp8 requant -> GEMM2 -> unpermute into ``call.output``."""
+        if call.rows is not None:
+            return self._apply_rows(call)
         from moekit.kernels.activation import silu_and_mul_fp8_group
 
         p, w = call.problem, call.weights
@@ -228,16 +248,49 @@ class DeepGemmExperts(Experts):
                 "batch (bug 2 of vLLM PR #20392: whole-batch counts handed to a chunk). Recount per chunk."
             )
         rows = self._rows_in_use(real, call, layout, M_sum)
+        mi, br = layout.m_indices[:rows], layout.block_rows[: rows // ALIGN_M]
         mm1 = carve(ws13, (M_sum, N))[:rows]
-        self._gemm(real, layout.a[:rows], layout.a_scale[:rows], w.w1, w.w1_scale, mm1, layout, rows)
+        self._gemm(real, layout.a[:rows], layout.a_scale[:rows], w.w1, w.w1_scale, mm1, mi, br)
         q, q_scale = _fp8_region(ws2.reshape(-1).view(torch.uint8), M_sum, N // 2)  # a is dead now
         q, q_scale = q[:rows], q_scale[:rows]
         static = call.a2_scale.reshape(-1).float() if call.a2_scale is not None else None
         silu_and_mul_fp8_group(mm1, out_q=q, out_scale=q_scale, static_scale=static)
         mm2 = carve(ws13, (M_sum, K))
-        self._gemm(real, q, q_scale, w.w2, w.w2_scale, mm2[:rows], layout, rows)
+        self._gemm(real, q, q_scale, w.w2, w.w2_scale, mm2[:rows], mi, br)
         unpermute_from_contiguous(mm2, layout.inv_perm, out=call.output)
         return self.backend_for(p)  # "deep_gemm[triton]" if a GEMM fell back on a build failure
+
+    def _apply_rows(self, call: ExpertsCall) -> str:
+        """One chunk of the batch's sorted rows: it is already DeepGEMM's contiguous layout (128-row
+        blocks of one expert each), so gather its rows, run both GEMMs, scatter each pair's row."""
+        from moekit.kernels.activation import silu_and_mul_fp8_group
+
+        p, w, chunk, layout = call.problem, call.weights, call.rows, call.layout
+        R, N, K = chunk.rows, p.N, p.K
+        ws13 = carve(call.workspace13, call.shapes.workspace13)
+        raw2 = carve(call.workspace2, call.shapes.workspace2).reshape(-1).view(torch.uint8)
+        sorted_ids = layout.sorted_token_ids[chunk.start : chunk.end]
+        experts = layout.expert_ids[chunk.start // ALIGN_M : chunk.end // ALIGN_M]  # -1: another rank's
+        a, a_scale = _fp8_region(raw2, R, K)
+        gather_positions(call.hidden, call.hidden_scale, sorted_ids, numel=layout.numel, topk=p.topk,
+                         out=a, out_scale=a_scale)  # fmt: skip
+        # deep_gemm never sees -1 (1.0 reads out of bounds on it): such blocks take expert 0 and
+        # their rows are dropped by the scatter; the Triton GEMM skips them (block_rows 0).
+        idx = raw2[2 * R * max(N // 2, K) :].view(torch.int32)
+        m_indices, block_rows = idx[:R], idx[R : R + R // ALIGN_M]
+        m_indices.copy_(experts.clamp(min=0).repeat_interleave(ALIGN_M))
+        filled = (sorted_ids.view(-1, ALIGN_M) < layout.numel).sum(1)
+        block_rows.copy_(torch.where(experts >= 0, filled, 0))
+        real = self._real_deep_gemm(N, K)
+        mm1 = carve(ws13, (R, N))
+        self._gemm(real, a, a_scale, w.w1, w.w1_scale, mm1, m_indices, block_rows)
+        q, q_scale = _fp8_region(raw2, R, N // 2)  # a is dead now
+        static = call.a2_scale.reshape(-1).float() if call.a2_scale is not None else None
+        silu_and_mul_fp8_group(mm1, out_q=q, out_scale=q_scale, static_scale=static)
+        mm2 = carve(ws13, (R, K))
+        self._gemm(real, q, q_scale, w.w2, w.w2_scale, mm2, m_indices, block_rows)
+        scatter_positions(mm2, sorted_ids, experts, numel=layout.numel, expert_block=ALIGN_M, out=call.output)
+        return self.backend_for(p)
 
     @staticmethod
     def _rows_in_use(real: bool, call: ExpertsCall, layout: ContiguousLayout, M_sum: int) -> int:
@@ -263,17 +316,16 @@ class DeepGemmExperts(Experts):
         """Tiles of moekit's Triton contiguous GEMM (the fallback); a subclass may override it."""
         return default_config(num_rows, N, K)
 
-    def _gemm(self, real: bool, a, a_scale, b, b_scale, out, layout: ContiguousLayout, rows: int) -> None:
+    def _gemm(self, real: bool, a, a_scale, b, b_scale, out, m_indices, block_rows) -> None:
         if real:
             try:
-                dg.grouped_gemm_contiguous(a, a_scale, b, b_scale, out, layout.m_indices[:rows])
+                dg.grouped_gemm_contiguous(a, a_scale, b, b_scale, out, m_indices)
                 return
             except BackendUnavailableError:  # deep_gemm could not build this shape: remembered, never retried
                 if self.backend == "deep_gemm":
                     raise
-        contiguous_gemm(a, a_scale, b, b_scale, layout.m_indices[:rows], out=out,
-                        block_rows=layout.block_rows[: rows // ALIGN_M],
-                        config=self.gemm_config(rows, b.shape[1], b.shape[2]))  # fmt: skip
+        contiguous_gemm(a, a_scale, b, b_scale, m_indices, out=out, block_rows=block_rows,
+                        config=self.gemm_config(a.shape[0], b.shape[1], b.shape[2]))  # fmt: skip
 
 
 __all__ = ["DeepGemmExperts"]

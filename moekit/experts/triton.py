@@ -28,7 +28,7 @@ from moekit.experts.base import Experts, carve
 from moekit.kernels.activation import silu_and_mul, silu_and_mul_fp8_group
 from moekit.kernels.align import AlignedBlocks, moe_align_block_size
 from moekit.kernels.configs import KernelConfig, get_config
-from moekit.kernels.fused_moe import GatedOutput, fused_moe_gemm
+from moekit.kernels.fused_moe import GatedOutput, RowChunk, fused_moe_gemm
 from moekit.quant import FP8, FP8_GROUP
 from moekit.types import (
     ActivationFormat,
@@ -57,6 +57,7 @@ class TritonExperts(Experts):
 
     activation_format = ActivationFormat.STANDARD
     supports_chunking = True
+    supports_row_chunks = True
     supports_expert_map = True
 
     def __init__(self, *, quant: QuantScheme = QuantScheme.NONE, fuse_activation: bool = False):
@@ -89,6 +90,14 @@ class TritonExperts(Experts):
             return WorkspaceShapes((M, topk, N // 2), (M * topk, 0), (M, topk, K), dtype)
         return WorkspaceShapes((M, topk, N), (M * topk, N // 2), (M, topk, K), dtype)
 
+    def row_workspace_shapes(self, rows: int, problem: ProblemSize, *, act_dtype: torch.dtype) -> WorkspaceShapes:
+        """For a chunk of ``rows`` sorted rows: ``(rows, 1, N)`` and ``(rows, N/2)`` (fused:
+        ``(rows, 1, N/2)`` and ``(rows, 0)``); the output is the whole ``(M, topk, K)``."""
+        N, dtype, out = problem.N, self.compute_dtype(act_dtype), (problem.M, problem.topk, problem.K)
+        if self.fuse_activation:
+            return WorkspaceShapes((rows, 1, N // 2), (rows, 0), out, dtype)
+        return WorkspaceShapes((rows, 1, N), (rows, N // 2), out, dtype)
+
     def tile_configs(self, problem: ProblemSize, dtype: torch.dtype) -> tuple[KernelConfig, KernelConfig]:
         """``(GEMM1, GEMM2)`` tiles for this chunk, from :func:`moekit.kernels.configs.get_config`."""
         M, N, K, E, topk = problem.M, problem.N, problem.K, problem.global_num_experts, problem.topk
@@ -100,6 +109,8 @@ class TritonExperts(Experts):
 
     def apply(self, call: ExpertsCall) -> str:
         """Compute one chunk into ``call.output``; returns ``"triton"``."""
+        if call.rows is not None:
+            return self._apply_rows(call)
         problem, shapes, w = call.problem, call.shapes, call.weights
         M, N, topk = problem.M, problem.N, problem.topk
         ws13 = carve(call.workspace13, shapes.workspace13)
@@ -132,6 +143,41 @@ class TritonExperts(Experts):
         fused_moe_gemm(
             q, w.w2, call.output, blocks2, pairs_per_row=1, config=cfg2, a_scale=scale, w_scale=w.w2_scale
         )
+        return "triton"
+
+    def _apply_rows(self, call: ExpertsCall) -> str:
+        """One chunk of the batch's sorted rows: GEMM1 gathers its tokens and writes the chunk's
+        workspace by position, GEMM2 reads it by position and writes each pair's output row."""
+        p, w, chunk, layout = call.problem, call.weights, call.rows, call.layout
+        R, N, H = chunk.rows, p.N, p.N // 2
+        ws13 = carve(call.workspace13, call.shapes.workspace13)
+        cfg1, cfg2 = self.tile_configs(p, call.hidden.dtype)
+        gather = RowChunk(chunk.start, chunk.end, read="pair", write="position")
+        scatter = RowChunk(chunk.start, chunk.end, read="position", write="pair")
+        fp8 = self.quant is QuantScheme.FP8_BLOCK
+        static = call.a2_scale.reshape(-1).float() if fp8 and call.a2_scale is not None else None  # per tensor
+        scales1 = dict(a_scale=call.hidden_scale, w_scale=w.w1_scale)
+        if self.fuse_activation:
+            if fp8:
+                q, scale = _fp8_views(ws13, R, H)
+                gated = GatedOutput(out_scale=scale, static_scale=static)
+                fused_moe_gemm(call.hidden, w.w1, q.view(R, 1, H), layout, pairs_per_row=p.topk, config=cfg1,
+                               gated=gated, chunk=gather, **scales1)  # fmt: skip
+                act, kw = q, dict(a_scale=scale, w_scale=w.w2_scale)
+            else:
+                act, kw = ws13.view(R, H), {}
+                fused_moe_gemm(call.hidden, w.w1, ws13, layout, pairs_per_row=p.topk, config=cfg1,
+                               gated=GatedOutput(), chunk=gather)  # fmt: skip
+        else:
+            fused_moe_gemm(call.hidden, w.w1, ws13, layout, pairs_per_row=p.topk, config=cfg1, chunk=gather, **scales1)
+            ws2 = carve(call.workspace2, call.shapes.workspace2)
+            if fp8:
+                q, scale = _fp8_views(ws2, R, H)
+                silu_and_mul_fp8_group(ws13.view(R, N), out_q=q, out_scale=scale, static_scale=static)
+                act, kw = q, dict(a_scale=scale, w_scale=w.w2_scale)
+            else:
+                act, kw = silu_and_mul(ws13.view(R, N), out=ws2), {}
+        fused_moe_gemm(act, w.w2, call.output, layout, pairs_per_row=1, config=cfg2, chunk=scatter, **kw)
         return "triton"
 
     @staticmethod

@@ -19,6 +19,10 @@ and only "DeepGemm's workspaces are larger" kept that safe.
 
 The rule is ``M >= 128`` in upstream's code (``_valid_deep_gemm_shape``); PR #20392's text says
 "num_tokens > 128". moekit follows the code: a chunk of exactly 128 tokens takes DeepGemm.
+
+For chunks of expert-sorted rows (``ModularKernel(chunk_by="rows")``) the rule counts the chunk's
+rows instead of tokens. Such a chunk holds a whole number of 128-row blocks, so it always takes
+DeepGemm when the shapes fit (and Triton when they do not, or without fp8).
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ class TritonOrDeepGemmExperts(Experts):
         subs = [e for e in (self.triton, self.deep_gemm) if e is not None]
         # Instance attributes: a dispatcher can chunk only if every backend it may pick can.
         self.supports_chunking = all(e.supports_chunking for e in subs)
+        self.supports_row_chunks = all(e.supports_row_chunks for e in subs)
         self.supports_expert_map = all(e.supports_expert_map for e in subs)
 
     def __repr__(self) -> str:
@@ -106,9 +111,18 @@ class TritonOrDeepGemmExperts(Experts):
         """The shapes of the backend :meth:`uses_deep_gemm` picks for ``problem.M``."""
         return self._pick(problem).workspace_shapes(problem, act_dtype=act_dtype, tokens_meta=tokens_meta)
 
+    def row_workspace_shapes(self, rows: int, problem: ProblemSize, *, act_dtype: torch.dtype) -> WorkspaceShapes:
+        """The shapes of the backend picked for a chunk of ``rows`` sorted rows."""
+        return self._pick(problem.with_M(rows)).row_workspace_shapes(rows, problem, act_dtype=act_dtype)
+
+    def backend_for_rows(self, rows: int, problem: ProblemSize) -> str:
+        return self._pick(problem.with_M(rows)).backend_for(problem)
+
     def apply(self, call: ExpertsCall) -> str:
-        """Run the backend picked for this call's M (the same one ``workspace_shapes`` picked)."""
-        return self._pick(call.problem).apply(call)
+        """Run the backend picked for this call's M (the same one ``workspace_shapes`` picked);
+        for a chunk of sorted rows, picked by its row count."""
+        sizes = call.problem if call.rows is None else call.problem.with_M(call.rows.rows)
+        return self._pick(sizes).apply(call)
 
 
 __all__ = ["DEEP_GEMM_MIN_M", "TritonOrDeepGemmExperts"]

@@ -62,6 +62,27 @@ class GatedOutput:
     static_div: int = 1
 
 
+@dataclass(frozen=True)
+class RowChunk:
+    """Rows ``[start, end)`` of the sorted layout that one GEMM call computes: a chunk of sorted
+    rows (``ModularKernel(chunk_by="rows")``), instead of every block of the layout.
+
+    ``read`` and ``write`` say how rows are addressed: ``"pair"`` through ``sorted_token_ids``
+    (activations row ``pair // pairs_per_row``, output row ``pair``), or ``"position"``: row r of a
+    contiguous buffer of ``end - start`` rows, the chunk's workspace. GEMM1 of a row chunk reads by
+    pair and writes by position; GEMM2 reads by position and writes by pair.
+    """
+
+    start: int
+    end: int
+    read: str = "pair"
+    write: str = "pair"
+
+    @property
+    def rows(self) -> int:
+        return self.end - self.start
+
+
 def _check_float_pair(a, w) -> bool:
     fp8 = a.dtype == FP8
     if fp8 != (w.dtype == FP8):
@@ -71,7 +92,36 @@ def _check_float_pair(a, w) -> bool:
     return fp8
 
 
-def _check(a, w, out, blocks, pairs_per_row, config, a_scale, w_scale, gated) -> bool:
+def _check_rows(a, out, blocks, pairs_per_row, config, chunk: RowChunk | None) -> None:
+    """The rows ``out`` and ``a`` must hold: one per pair, or one per position of a row chunk."""
+    M, topk, _ = out.shape
+    out_rows = chunk.rows if chunk is not None and chunk.write == "position" else blocks.numel
+    if M * topk != out_rows:
+        raise InvalidInputError(f"out must hold {out_rows} rows as [M, topk, N] (M*topk), got {tuple(out.shape)}")
+    if M > 1 and topk > 1 and out.stride(0) != topk * out.stride(1):
+        raise InvalidInputError(f"out's pairs must be evenly strided (stride(0) == topk * stride(1)), got {out.stride()}")
+    by_position = chunk is not None and chunk.read == "position"
+    need = chunk.rows if by_position else blocks.numel
+    if not isinstance(pairs_per_row, int) or pairs_per_row <= 0 or a.shape[0] * (1 if by_position else pairs_per_row) < need:
+        what = "positions" if by_position else "pairs"
+        raise InvalidInputError(f"a has {a.shape[0]} rows for {need} {what} at pairs_per_row={pairs_per_row!r}")
+    if not isinstance(config, KernelConfig) or blocks.block_m % config.BLOCK_M or (
+        chunk is None and config.BLOCK_M != blocks.block_m
+    ):
+        raise InvalidInputError(
+            f"config must be a KernelConfig with BLOCK_M={blocks.block_m} (the blocks'; a divisor of it for a "
+            f"row chunk), got {config!r}"
+        )
+    if chunk is not None and (chunk.read not in ("pair", "position") or chunk.write not in ("pair", "position")
+                              or chunk.start % blocks.block_m or chunk.rows % config.BLOCK_M or chunk.rows < 0
+                              or chunk.end > blocks.sorted_token_ids.numel()):  # fmt: skip
+        raise InvalidInputError(
+            f"a row chunk must start on a block of {blocks.block_m} rows and hold whole tiles of {config.BLOCK_M} "
+            f"inside the layout's {blocks.sorted_token_ids.numel()} rows, got {chunk}"
+        )
+
+
+def _check(a, w, out, blocks, pairs_per_row, config, a_scale, w_scale, gated, chunk=None) -> bool:
     if a.dim() != 2 or w.dim() != 3 or out.dim() != 3:
         raise InvalidInputError(
             f"expected a [rows, K], w [E, N, K], out [M, topk, N]; got {tuple(a.shape)}, "
@@ -79,18 +129,11 @@ def _check(a, w, out, blocks, pairs_per_row, config, a_scale, w_scale, gated) ->
         )
     E, N, K = w.shape
     width = N // 2 if gated else N
-    M, topk, N_out = out.shape
-    if a.shape[1] != K or M * topk != blocks.numel or N_out != width:
+    if a.shape[1] != K or out.shape[2] != width:
         raise InvalidInputError(
-            f"a must be [rows, K={K}] and out [M, topk, {width}] with M*topk={blocks.numel} pairs, "
-            f"got {tuple(a.shape)} and {tuple(out.shape)}"
+            f"a must be [rows, K={K}] and out [M, topk, {width}], got {tuple(a.shape)} and {tuple(out.shape)}"
         )
-    if M > 1 and topk > 1 and out.stride(0) != topk * out.stride(1):
-        raise InvalidInputError(f"out's pairs must be evenly strided (stride(0) == topk * stride(1)), got {out.stride()}")
-    if not isinstance(pairs_per_row, int) or pairs_per_row <= 0 or a.shape[0] * pairs_per_row < blocks.numel:
-        raise InvalidInputError(f"a has {a.shape[0]} rows for {blocks.numel} pairs at pairs_per_row={pairs_per_row!r}")
-    if not isinstance(config, KernelConfig) or config.BLOCK_M != blocks.block_m:
-        raise InvalidInputError(f"config must be a KernelConfig with BLOCK_M={blocks.block_m} (the blocks'), got {config!r}")
+    _check_rows(a, out, blocks, pairs_per_row, config, chunk)
     fp8 = _check_float_pair(a, w)
     if out.dtype not in _FLOATS and not (gated and out.dtype == FP8):
         raise InvalidInputError(f"out must be fp32/fp16/bf16 (or fp8 with a GatedOutput), got {out.dtype}")
@@ -99,11 +142,11 @@ def _check(a, w, out, blocks, pairs_per_row, config, a_scale, w_scale, gated) ->
     if gated and out.dtype == FP8:
         if width % FP8_GROUP or config.BLOCK_N != FP8_GROUP:
             raise QuantizationError(f"fp8 output needs N/2 % 128 == 0 and BLOCK_N == 128, got {width}, {config.BLOCK_N}")
-        s, want = gated.out_scale, (blocks.numel, width // FP8_GROUP)
+        s, want = gated.out_scale, (out.shape[0] * out.shape[1], width // FP8_GROUP)
         if s is None or tuple(s.shape) != want or s.dtype != torch.float32:
             raise QuantizationError(f"fp8 output needs out_scale float32 {want}, got {None if s is None else s.shape}")
-        st = gated.static_scale
-        if st is not None and (st.dtype != torch.float32 or st.numel() not in (1, triton.cdiv(blocks.numel, gated.static_div))):
+        st, per_row = gated.static_scale, triton.cdiv(blocks.numel, gated.static_div)
+        if st is not None and (st.dtype != torch.float32 or st.numel() not in (1, per_row)):
             raise QuantizationError(f"static_scale must be float32, 1 or numel/static_div elements, got {st.shape}")
     if not fp8:
         return False
@@ -150,7 +193,7 @@ def _fused_moe_kernel(
     a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, sorted_ptr, expert_ids_ptr, post_ptr,
     out_scale_ptr, static_ptr, w_desc,
     # Sizes
-    N, K, numel, pairs_per_row, num_blocks,
+    N, K, numel, pairs_per_row, num_blocks, row_base,
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
     stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk,
     stride_osm, stride_osg, stride_static, static_div,
@@ -160,6 +203,7 @@ def _fused_moe_kernel(
     GATED: tl.constexpr, QUANT_OUT: tl.constexpr, STATIC_OUT: tl.constexpr,
     W_TMA: tl.constexpr, UPCAST_BF16: tl.constexpr, DOT_IEEE: tl.constexpr, FIX_ROUNDING: tl.constexpr,
     FP8_MAX: tl.constexpr, TINY: tl.constexpr,
+    EXPERT_BLOCK: tl.constexpr, READ_BY_POSITION: tl.constexpr, WRITE_BY_POSITION: tl.constexpr,
 ):
     # N is the output width: with GATED, w has 2N rows (gate rows [0, N), up rows [N, 2N)).
     # GROUP_M row blocks sweep the columns together: neighbouring blocks are usually the same
@@ -171,28 +215,42 @@ def _fused_moe_kernel(
     group_m = min(num_blocks - first_m, GROUP_M)
     pid_m = first_m + (pid % per_group) % group_m
     pid_n = (pid % per_group) // group_m
-    # The grid is sized by an upper bound (no host sync); blocks past the real ones do nothing.
-    if pid_m * BLOCK_M >= tl.load(post_ptr):
-        return
-
+    # Rows are addressed by pair (token * topk + slot, scattered through sorted_token_ids) or, for
+    # a chunk of sorted rows, by position in the chunk (a contiguous workspace of the chunk's rows).
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ptr + offs_m)
     live = pair < numel  # padding rows hold numel
+    if WRITE_BY_POSITION:
+        dest = offs_m.to(tl.int64)
+        keep = offs_m >= 0  # every position: padding rows get values too (finite, never read back)
+    else:
+        dest = pair.to(tl.int64)
+        keep = live
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
-    out_mask = live[:, None] & (offs_n[None, :] < N)
+    out_ptrs = out_ptr + dest[:, None] * stride_om + offs_n[None, :] * stride_on
+    out_mask = keep[:, None] & (offs_n[None, :] < N)
     # With QUANT_OUT, BLOCK_N is the 128-wide group: program column pid_n owns scale column pid_n.
-    out_scale_ptrs = out_scale_ptr + pair.to(tl.int64) * stride_osm + pid_n * stride_osg
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    if expert == -1:  # the expert lives on another rank: its rows contribute zero
+    out_scale_ptrs = out_scale_ptr + dest * stride_osm + pid_n * stride_osg
+    # The grid is sized by an upper bound (no host sync): blocks past the real ones do no math;
+    # a block of another rank's expert (id -1) contributes zeros.
+    past_end = row_base + pid_m * BLOCK_M >= tl.load(post_ptr)
+    if not WRITE_BY_POSITION:
+        if past_end:
+            return
+    expert = tl.load(expert_ids_ptr + (pid_m * BLOCK_M) // EXPERT_BLOCK).to(tl.int64)
+    expert = tl.where(past_end, -1, expert)
+    if expert == -1:  # (or past the end, for a chunk's workspace rows: zeros, not stale bytes)
         tl.store(out_ptrs, tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty), mask=out_mask)
         if QUANT_OUT:
-            tl.store(out_scale_ptrs, tl.full([BLOCK_M], TINY, tl.float32), mask=live)
+            tl.store(out_scale_ptrs, tl.full([BLOCK_M], TINY, tl.float32), mask=keep)
         return
 
     # Padding rows read row 0 and columns past N wrap around: every load is in bounds without a
-    # mask, and those lanes are never stored.
-    row = tl.where(live, pair // pairs_per_row, 0).to(tl.int64)
+    # mask, and those lanes are never stored (or, written by position, never read back).
+    if READ_BY_POSITION:
+        row = offs_m.to(tl.int64)
+    else:
+        row = tl.where(live, pair // pairs_per_row, 0).to(tl.int64)
     col = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + row[:, None] * stride_am + offs_k[None, :] * stride_ak
@@ -245,7 +303,7 @@ def _fused_moe_kernel(
             acc = clamp_fp8(acc / scale[:, None], FP8_MAX)
         else:
             acc, scale = quantize_fp8_rows(acc, FP8_MAX, TINY)
-        tl.store(out_scale_ptrs, scale, mask=live)
+        tl.store(out_scale_ptrs, scale, mask=keep)
     if FIX_ROUNDING:
         acc = round_for_store(acc, out_ptr.dtype.element_ty)
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -262,6 +320,7 @@ def fused_moe_gemm(
     a_scale: torch.Tensor | None = None,
     w_scale: torch.Tensor | None = None,
     gated: GatedOutput | None = None,
+    chunk: RowChunk | None = None,
 ) -> torch.Tensor:
     """``out[i] = a[i // pairs_per_row] @ w[expert(i)].T`` for every placed pair i; zeros for remote ones.
 
@@ -294,6 +353,8 @@ def fused_moe_gemm(
         w_scale: fp8 only, float32 ``[E, N/128, K/128]``.
         gated: fuse silu_and_mul (and the fp8 requantization) into the epilogue; see
             :class:`GatedOutput`.
+        chunk: compute only rows ``[start, end)`` of the layout, addressed as :class:`RowChunk`
+            says (``out`` then holds ``end - start`` rows where it is written by position).
 
     Returns:
         ``out``.
@@ -307,12 +368,15 @@ def fused_moe_gemm(
     stride_pair, stride_col = out.stride(1), out.stride(2)
     if out.shape[1] == 1:  # topk = 1: a size-1 dim's stride says nothing; pairs step by stride(0)
         stride_pair = out.stride(0)
-    fp8 = _check(a, w, out, blocks, pairs_per_row, config, a_scale, w_scale, gated)
+    fp8 = _check(a, w, out, blocks, pairs_per_row, config, a_scale, w_scale, gated, chunk)
     E, N, K = w.shape
     width = N // 2 if gated else N
-    if blocks.numel == 0 or width == 0:
+    start, end = (0, blocks.sorted_token_ids.numel()) if chunk is None else (chunk.start, chunk.end)
+    if blocks.numel == 0 or width == 0 or end == start:
+        if chunk is not None and chunk.write == "position" and blocks.numel == 0:
+            out.zero_()  # a chunk's workspace rows hold zeros, not stale bytes
         return out
-    num_blocks = blocks.max_blocks
+    num_blocks = (end - start) // config.BLOCK_M
     scales = (a_scale, w_scale, a_scale.stride(0), a_scale.stride(1), *w_scale.stride()) if fp8 else (a, w, 0, 0, 0, 0, 0)
     quant_out = gated is not None and out.dtype == FP8
     static = gated.static_scale if quant_out else None
@@ -327,14 +391,17 @@ def fused_moe_gemm(
     grid = (num_blocks * triton.cdiv(width, config.BLOCK_N),)
     _fused_moe_kernel[grid](
         a, w, out, scales[0], scales[1],
-        blocks.sorted_token_ids, blocks.expert_ids, blocks.num_tokens_post_padded, *epilogue[:2],
+        blocks.sorted_token_ids[start:end], blocks.expert_ids[start // blocks.block_m :],
+        blocks.num_tokens_post_padded, *epilogue[:2],
         w if w_desc is None else w_desc,
-        width, K, blocks.numel, pairs_per_row, num_blocks,
+        width, K, blocks.numel, pairs_per_row, num_blocks, start,
         a.stride(0), a.stride(1), *w.stride(), stride_pair, stride_col, *scales[2:], *epilogue[2:],
         EVEN_K=K % config.BLOCK_K == 0, IS_FP8=fp8, FP8_GROUP=FP8_GROUP,
         GATED=gated is not None, QUANT_OUT=quant_out, STATIC_OUT=static is not None, W_TMA=w_desc is not None,
         UPCAST_BF16=interpreting() and a.dtype == torch.bfloat16,
         DOT_IEEE=a.dtype == torch.float32, FIX_ROUNDING=interpreting(), FP8_MAX=FP8_MAX, TINY=TINY_SCALE,
+        EXPERT_BLOCK=blocks.block_m, READ_BY_POSITION=chunk is not None and chunk.read == "position",
+        WRITE_BY_POSITION=chunk is not None and chunk.write == "position",
         **config.launch,
     )  # fmt: skip
     return out

@@ -7,6 +7,7 @@ window; and Jupyter shows a figure once, when it is the value of a cell (or ``di
 matplotlib is imported inside the functions, so ``import moekit`` does not need it.
 
 - :mod:`moekit.viz.chunks`: tokens per (chunk, expert), weight bytes read, workspace bytes;
+- :mod:`moekit.viz.rows`: chunks of expert-sorted rows: the layout strip, rows per (chunk, expert);
 - :mod:`moekit.viz.tables`: tables as text, HTML or a figure; tensor shapes at every step;
 - :mod:`moekit.viz.bench`: the recorded GPU benchmark results against anchors and floors.
 
@@ -36,13 +37,22 @@ from moekit.viz.chunks import (
     plot_workspace_bytes,
     weight_bytes_read,
 )
+from moekit.viz.rows import (
+    chunks_per_expert,
+    expert_segments,
+    plot_chunks_per_expert,
+    plot_sorted_rows,
+    row_chunk_counts,
+)
 from moekit.viz.tables import Table, plot_table, shape_rows, table
 
 __all__ = [
     "Table",
     "bench_results",
     "chunk_counts",
+    "chunks_per_expert",
     "count_timing_rows",
+    "expert_segments",
     "expert_weight_bytes",
     "latest_result",
     "load_anchors",
@@ -50,13 +60,16 @@ __all__ = [
     "plot_bench",
     "plot_bench_grid",
     "plot_count_timings",
+    "plot_chunks_per_expert",
     "plot_counts_heatmap",
     "plot_counts_vs_whole",
+    "plot_sorted_rows",
     "plot_stacked_chunks",
     "plot_table",
     "plot_tokens_per_expert",
     "plot_weight_bytes",
     "plot_workspace_bytes",
+    "row_chunk_counts",
     "shape_rows",
     "summary_rows",
     "table",

@@ -193,7 +193,8 @@ def test_layer_fp8_with_the_blockwise_reference_on_cpu(monkeypatch, tmp_path):
 
 
 def test_chunking_orchestration_on_cpu(monkeypatch, tmp_path):
-    """Chunked and unchunked TritonExperts (interpreter) agree; workspace shrinks with C."""
+    """Chunked (by tokens and by sorted rows) and unchunked TritonExperts (interpreter) agree;
+    workspace shrinks with C; row chunks read fewer weight bytes than token chunks."""
     monkeypatch.setitem(roofline.SHAPES, "tiny", TINY)
     _fake_timers(monkeypatch)
     monkeypatch.setattr(measure, "peak_bytes", lambda fn, release, **kw: (release(), fn(), 1)[2])
@@ -201,9 +202,12 @@ def test_chunking_orchestration_on_cpu(monkeypatch, tmp_path):
     argv = ["--shape", "tiny", "--M", "40", "--C", "16", "None", "--ws-M", "16", "256", "--json", str(path)]
     assert chunking.main(argv, device="cpu") == 0
     record = json.loads(path.read_text())
-    whole, chunked = record["rows"]
+    whole, chunked, by_rows = record["rows"]
     assert (whole["C"], whole["chunks"], chunked["C"], chunked["chunks"]) == (None, 1, 16, 3)
-    assert whole["status"] == chunked["status"] == "ok" and chunked["rel_diff_vs_unchunked"] < 1e-2
+    assert by_rows["chunk_by"] == "rows" and by_rows["C"] == chunking.row_sizes(chunking.parse(argv), TINY.topk)[0]
+    assert whole["status"] == chunked["status"] == by_rows["status"] == "ok"
+    assert chunked["rel_diff_vs_unchunked"] < 1e-2 and by_rows["rel_diff_vs_unchunked"] < 1e-2
+    assert by_rows["weight_bytes"] <= chunked["weight_bytes"]
     assert chunked["peak_workspace_bytes"] < whole["peak_workspace_bytes"]
     assert chunked["pool_grows"] == 1
     declared = {r["C"]: r for r in record["declared_workspace_bytes"]}

@@ -7,7 +7,7 @@ import torch
 
 from moekit.errors import InvalidInputError, QuantizationError
 from moekit.kernels.align import moe_align_block_size
-from moekit.kernels.configs import KernelConfig, get_config, load_table, table_config
+from moekit.kernels.configs import KernelConfig
 from moekit.kernels.fused_moe import GatedOutput, fused_moe_gemm
 from moekit.quant import (
     dequantize_fp8_block,
@@ -183,7 +183,7 @@ def test_errors(device):
     out = torch.empty(4, 2, 64, device=device)
     with expect_raises(InvalidInputError, match="BLOCK_M"):
         fused_moe_gemm(a, w, out, blocks, pairs_per_row=2, config=KernelConfig(32, 64, 64))
-    with expect_raises(InvalidInputError, match="and out"):
+    with expect_raises(InvalidInputError, match="out must hold 8 rows"):
         fused_moe_gemm(a, w, out[:3], blocks, pairs_per_row=2, config=CFG)
     with expect_raises(InvalidInputError, match="rows for 8 pairs"):
         fused_moe_gemm(a, w, out, blocks, pairs_per_row=1, config=CFG)
@@ -210,34 +210,47 @@ def test_a_2d_out_fails_where_upstream_did(device):
         fused_moe_gemm(a, w, torch.empty(8, 64, device=device), blocks, pairs_per_row=2, config=CFG)
 
 
-def test_config_table_is_valid():
-    table = load_table()
-    assert set(table) == {"bf16", "fp16", "fp32", "fp8"}
-    for key, buckets in table.items():
-        limits = [b["max_rows"] for b in buckets]
-        assert limits[-1] is None and limits[:-1] == sorted(limits[:-1])
-        for bucket in buckets:
-            for name in ("gemm1", "gemm1_gated", "gemm2"):
-                if name not in bucket:
-                    continue
-                cfg = KernelConfig(**bucket[name])
-                if key == "fp8":
-                    assert 128 % cfg.BLOCK_K == 0
-                    assert name != "gemm1_gated" or cfg.BLOCK_N == 128
-    assert table_config(0.06, torch.bfloat16).BLOCK_M == 16  # decode
-    assert table_config(1024, torch.bfloat16).BLOCK_M == 128  # prefill
-    assert table_config(8, torch.float16) == table_config(8, torch.bfloat16)
-    assert table_config(1024, torch.bfloat16, gated=True).BLOCK_N == 128  # two accumulators: half width
-    assert table_config(1024, torch.float32, gated=True) == table_config(1024, torch.float32)  # no entry
-    assert KernelConfig(16, 64, 64, tma=True).launch == KernelConfig(16, 64, 64).launch  # not a kernel argument
+# ---------------------------------------------------------------------------------------------
+# RowChunk: one chunk of the sorted layout's rows, written by position then read back by position
 
 
-def test_config_errors():
-    with expect_raises(InvalidInputError, match="power of two"):
-        KernelConfig(BLOCK_M=24, BLOCK_N=64, BLOCK_K=64)
-    with expect_raises(InvalidInputError, match="tma must be a bool"):
-        KernelConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, tma=1)
-    with expect_raises(InvalidInputError, match="no fused_moe config"):
-        get_config(1, 64, 64, 4, 2, torch.int8)
-    with expect_raises(InvalidInputError, match="stage"):
-        get_config(1, 64, 64, 4, 2, torch.bfloat16, stage=3)
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_row_chunks_by_position_compose_to_the_whole_layout(device, block_m):
+    """GEMM1 of each 64-row chunk (read by pair, write by position) then GEMM2 (read by position,
+    write by pair) gives, over all chunks, what one call over every block gives; padding positions
+    hold finite values, remote blocks zeros."""
+    from moekit.kernels.fused_moe import RowChunk
+
+    E, M, topk, K, N = 5, 30, 2, 64, 64
+    ids = torch.randint(-1, E, (M, topk), device=device)
+    emap = torch.tensor([0, -1, 1, 2, 3], dtype=torch.int32, device=device)
+    a = torch.randn(M, K, device=device)
+    w1 = torch.randn(4, N, K, device=device) / K**0.5
+    w2 = torch.randn(4, K, N, device=device) / N**0.5
+    blocks = moe_align_block_size(ids, 64, E, emap, num_local_experts=4, keep_empty=True)
+    cfg = KernelConfig(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64, GROUP_M=2, num_warps=4, num_stages=2)
+    out = torch.full((M, topk, K), 7.0, device=device)
+    total = blocks.sorted_token_ids.numel()
+    for s in range(0, total, 64):
+        ws = torch.full((64, 1, N), float("nan"), device=device)
+        fused_moe_gemm(a, w1, ws, blocks, pairs_per_row=topk, config=cfg, chunk=RowChunk(s, s + 64, write="position"))
+        assert ws.isfinite().all()
+        fused_moe_gemm(ws.view(64, N), w2, out, blocks, pairs_per_row=1, config=cfg,
+                       chunk=RowChunk(s, s + 64, read="position"))  # fmt: skip
+    mid = gemm_spec(a, w1, ids, topk, emap)
+    want = torch.stack([w2[int(emap[g])] @ mid[i] if g >= 0 and emap[g] >= 0 else torch.zeros(K, device=device)
+                        for i, g in enumerate(ids.reshape(-1).tolist())])  # fmt: skip
+    assert_close(out.flatten(0, 1), want, dtype=torch.float32)
+
+
+def test_a_row_chunk_off_the_blocks_is_named(device):
+    from moekit.kernels.fused_moe import RowChunk
+
+    ids = torch.randint(0, 4, (8, 2), device=device)
+    blocks = moe_align_block_size(ids, 32, 4)
+    a, w = torch.randn(8, 64, device=device), torch.randn(4, 64, 64, device=device)
+    ws = torch.empty(32, 1, 64, device=device)
+    with expect_raises(InvalidInputError, match="must start on a block of 32"):
+        fused_moe_gemm(a, w, ws, blocks, pairs_per_row=2, config=CFG, chunk=RowChunk(16, 48, write="position"))
+    with expect_raises(InvalidInputError, match="out must hold 32 rows"):
+        fused_moe_gemm(a, w, ws[:16], blocks, pairs_per_row=2, config=CFG, chunk=RowChunk(0, 32, write="position"))

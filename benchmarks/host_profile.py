@@ -1,0 +1,83 @@
+"""Where the host's time goes in one eager MoE forward (GPU idle, so every microsecond is Python).
+
+Prints host microseconds per call of: a bare Triton launch and a torch op (to calibrate this
+machine's host speed), ``count_expert_num_tokens`` (scan and histogram, per-chunk size), and the
+whole Qwen3-30B-A3B layer at M=1, then a cProfile of the layer's call tree::
+
+    python -m benchmarks.host_profile [--calls 300] [--top 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import moekit
+from moekit.experts import TritonExperts
+from moekit.prepare_finalize import NoEPPrepareFinalize
+from moekit.testing import make_problem
+
+
+@triton.jit
+def _noop_kernel(x_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+
+
+def host_us(fn, calls: int) -> float:
+    """Host microseconds per call: ``calls`` calls back to back, one sync at the end."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return host / calls * 1e6
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.host_profile")
+    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--top", type=int, default=30)
+    args = ap.parse_args(argv)
+    x = torch.zeros(64, device="cuda")
+    ids = torch.randint(0, 64, (128, 8), device="cuda", dtype=torch.int32)
+    shape = moekit.roofline.get_shape("qwen3_30b_a3b")
+    p = make_problem(1, E=shape.E, topk=shape.topk, K=shape.K, N=shape.N, dtype=torch.bfloat16, device="cuda")
+    kernel = moekit.ModularKernel(NoEPPrepareFinalize(), TritonExperts(), trace_counts=False)
+    rows = {
+        "bare triton launch": lambda: _noop_kernel[(1,)](x, 64, BLOCK=64),
+        "torch.empty(64)": lambda: torch.empty(64, device="cuda"),
+        "count scan 128x8 E=64": lambda: moekit.count_expert_num_tokens(ids, 64, method="scan"),
+        "count histogram 128x8 E=64": lambda: moekit.count_expert_num_tokens(ids, 64),
+        "layer qwen3 bf16 M=1": lambda: kernel(*p.inputs(), **p.options()),
+    }
+    for name, fn in rows.items():
+        print(f"{name:<32} {host_us(fn, args.calls):8.1f} us host per call", flush=True)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(args.calls):
+        kernel(*p.inputs(), **p.options())
+    prof.disable()
+    torch.cuda.synchronize()
+    for key in ("tottime", "cumulative"):
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).strip_dirs().sort_stats(key).print_stats(args.top)
+        print(f"== by {key} ({args.calls} calls)\n" + "\n".join(out.getvalue().splitlines()[4:]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
