@@ -54,6 +54,14 @@ class ChunkRecord:
         return None if self.counts is None else int((self.counts > 0).sum())
 
     @property
+    def expert_span(self) -> tuple[int, int] | None:
+        """The first and last local expert with rows in this chunk (None without counts or rows; syncs)."""
+        if self.counts is None:
+            return None
+        touched = (self.counts > 0).nonzero().flatten().tolist()
+        return (touched[0], touched[-1]) if touched else None
+
+    @property
     def weight_bytes(self) -> int | None:
         """Weight bytes this chunk's GEMMs read at least once: experts touched x bytes per expert."""
         touched = self.experts_touched
@@ -106,6 +114,22 @@ class Trace:
         """Weight bytes all chunks read (an expert touched by k chunks counts k times); syncs."""
         per_chunk = [c.weight_bytes for c in self.chunks]
         return None if not per_chunk or None in per_chunk else sum(per_chunk)
+
+    def reads(self) -> list[dict]:
+        """One row per chunk: its rows, the experts it touches (first and last, and how many), the
+        weight bytes it reads and its workspace bytes (syncs once per chunk for the counts)."""
+        return [
+            {
+                "chunk": c.index,
+                "range": f"[{c.start}, {c.end})",
+                "rows": c.M,
+                "experts": "-" if c.expert_span is None else "{}..{}".format(*c.expert_span),
+                "touched": c.experts_touched,
+                "weight_bytes": c.weight_bytes,
+                "workspace_bytes": c.workspace_bytes,
+            }
+            for c in self.chunks
+        ]
 
     def handed_vs_needed(self) -> list[dict]:
         """One row per chunk: the buffers and output slice it was handed beside what its own

@@ -7,6 +7,8 @@ written by exactly one chunk, and the workspaces must stay bounded by the chunk'
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -56,33 +58,60 @@ def test_row_chunks_equal_one_call_and_the_reference(name):
     assert torch.equal(trace.counts_matrix().sum(0), total)
 
 
-@pytest.mark.parametrize("M", [1, 63, 64, 65, 150])
-@pytest.mark.parametrize("R", [128, 384])
-def test_row_chunks_at_block_edges(M, R):
-    """M around the 128-row block (topk=2: 64 tokens fill one expert's block when skewed)."""
-    p = make_problem(M, E=4, topk=2, K=128, N=256, dtype=torch.float32, skew=0.8, seed=M)
-    kernel = _kernel(TritonExperts(), R)
+def _sizes(p):
+    from moekit.types import ProblemSize
+
+    E, N, K = p.w1.shape
+    return ProblemSize(p.M, N, K, p.topk_ids.shape[1], p.global_num_experts or E, E)
+
+
+EDGE = {"triton": (lambda: TritonExperts(), torch.float32, QuantScheme.NONE),
+        "deep_gemm": (lambda: DeepGemmExperts(), torch.bfloat16, FP8)}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(EDGE))
+@pytest.mark.parametrize("R, M", [(128, 1), (128, 127), (128, 128), (128, 129), (384, 383), (384, 385)])
+def test_row_chunks_at_the_edges_of_R(name, R, M):
+    """M tokens around R (M*topk rows around 2R): correct, and the workspace peak bounded by R."""
+    make, dtype, quant = EDGE[name]
+    p = make_problem(M, E=4, topk=2, K=128, N=256, dtype=dtype, quant=quant, seed=M)
+    kernel = _kernel(make(), R)
     p.check(kernel(*p.inputs(), **p.options()))
     trace = kernel.last_trace
     # Chunks cover the layout's bound; those past the rows in use find only padding.
-    covered = sum(c.M for c in trace)
-    assert covered >= _layout_rows(p, 4)
+    assert sum(c.M for c in trace) >= _layout_rows(p, 4) and all(c.M <= R for c in trace)
     assert (
         trace.peak_workspace_bytes
-        <= TritonExperts().row_workspace_shapes(R, p_size(p), act_dtype=p.dtype).workspace_bytes
+        <= make().row_workspace_shapes(R, _sizes(p), act_dtype=p.hidden.dtype).workspace_bytes
     )
 
 
-def p_size(p):
-    from moekit.types import ProblemSize
+@pytest.mark.parametrize("name", list(EDGE))
+def test_one_expert_owning_most_rows_spans_several_chunks(name):
+    make, dtype, quant = EDGE[name]
+    p = make_problem(300, E=4, topk=1, K=128, N=256, dtype=dtype, quant=quant, seed=1)
+    ids = p.topk_ids.clone()
+    ids[torch.arange(300) % 7 != 0] = 2  # expert 2 owns 257 of the 300 rows: three blocks of 128
+    p = dataclasses.replace(p, topk_ids=ids)
+    kernel = _kernel(make(), 128)
+    p.check(kernel(*p.inputs(), **p.options()))
+    reads = kernel.last_trace.reads()
+    counts = count_reference(local_expert_ids(p.topk_ids, 4), 4)
+    big = int(counts.argmax())
+    spanned = [
+        r
+        for r in reads
+        if r["experts"] != "-" and int(r["experts"].split("..")[0]) <= big <= int(r["experts"].split("..")[1])
+    ]
+    assert counts[big] > 256 and len(spanned) >= int(counts[big]) // 128
 
-    return ProblemSize(p.M, p.w1.shape[1], p.w1.shape[2], p.topk_ids.shape[1], p.w1.shape[0], p.w1.shape[0])
 
-
-def test_expert_map_and_empty_slots():
+@pytest.mark.parametrize("name", list(EDGE))
+def test_expert_map_and_empty_slots(name):
     """A rank's share: remote experts and -1 slots contribute zero; shards sum to the whole."""
-    p = make_problem(160, E=8, topk=2, K=128, N=256, dtype=torch.float32, empty_every=3, seed=5)
-    total = sum(_kernel(TritonExperts(), 128)(*s.inputs(), **s.options()) for s in (p.shard(r, 2) for r in range(2)))
+    make, dtype, quant = EDGE[name]
+    p = make_problem(160, E=8, topk=2, K=128, N=256, dtype=dtype, quant=quant, empty_every=3, seed=5)
+    total = sum(_kernel(make(), 128)(*s.inputs(), **s.options()).float() for s in (p.shard(r, 2) for r in range(2)))
     p.check(total)
 
 
@@ -129,3 +158,19 @@ def test_a_per_token_a2_scale_is_named_before_anything_runs():
     with expect_raises(QuantizationError, match="cannot follow rows sorted by expert"):
         kernel(*p.inputs(), **p.options(), a2_scale=torch.ones(40, 1))
     assert kernel.last_trace is None or len(kernel.last_trace) == 0
+
+
+@pytest.mark.gpu
+def test_the_real_deep_gemm_takes_row_chunks():
+    """On a GPU with deep_gemm: the real backend's row chunks equal one call and the reference."""
+    from moekit.backends import deep_gemm as dg
+
+    if not dg.status().usable:
+        pytest.skip(f"deep_gemm not usable here: {dg.status().reason}")
+    p = make_problem(1000, E=16, topk=4, K=512, N=1024, quant=FP8, seed=9)
+    whole = ModularKernel(NoEPPrepareFinalize(), DeepGemmExperts(backend="deep_gemm"))(*p.inputs(), **p.options())
+    kernel = _kernel(DeepGemmExperts(backend="deep_gemm"), 1024)
+    out = kernel(*p.inputs(), **p.options())
+    assert set(kernel.last_trace.backends) == {"deep_gemm"}
+    assert_close(out, whole, dtype=p.dtype)
+    p.check(out)

@@ -98,6 +98,29 @@ def _act_dtype(dtype: str) -> torch.dtype:
     return torch.float8_e4m3fn if dtype == "fp8" else torch.bfloat16
 
 
+def _limits(call, chunks: int) -> dict:
+    """What bounds a plan: the host's enqueue time (per chunk) against the kernels' device time,
+    and the CUDA-graph time (no host cost at all)."""
+    import statistics
+    import time
+
+    host = []
+    for _ in range(5):
+        measure.synchronize()
+        start = time.perf_counter()
+        call()  # the GPU starts idle: the queue never fills, so this is Python and launch time
+        host.append((time.perf_counter() - start) * 1e6)
+    measure.synchronize()
+    row = {"host_us": statistics.median(host), "host_us_per_chunk": statistics.median(host) / max(chunks, 1)}
+    phases = measure.kernel_phases(call)
+    row |= {"device_us": phases.gemm_us + phases.other_us, "gemm_us": phases.gemm_us, "kernels": phases.kernels}
+    try:
+        row["graph_us"] = measure.graph_us([call])
+    except Exception as exc:
+        row["graph_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    return row
+
+
 def row_sizes(args: argparse.Namespace, topk: int) -> list[int]:
     """The R of ``--rows``, or C x topk rounded up to 128 rows for each C."""
     if args.rows is not None:
@@ -139,6 +162,7 @@ def run(args: argparse.Namespace, emit, *, device) -> list[dict]:
                     "peak_workspace_bytes": trace.peak_workspace_bytes, "weight_bytes": trace.weight_bytes}
             del out
             row["us"] = measure.eager_us(call)
+            row |= _limits(call, len(trace))
             row["pool_grows"] = kernel.pool.grows  # 1: only the first chunk allocated
             row["peak_bytes"] = measure.peak_bytes(call, release=kernel.pool.release)
             if C is None:
@@ -157,7 +181,8 @@ def run(args: argparse.Namespace, emit, *, device) -> list[dict]:
 
 
 COLUMNS = ["chunk_by", "C", "chunks", ("weight_gib", "weights GiB", ".2f"), ("us", "us", ".1f"),
-           ("ratio_vs_unchunked", "x unchunked", ".3f"), "target_met",
+           ("ratio_vs_unchunked", "x unchunked", ".3f"), "target_met", ("graph_us", "graph us", ".1f"),
+           ("device_us", "kernels us", ".1f"), ("host_us_per_chunk", "host us/chunk", ".1f"),
            ("ws_mib", "workspace MiB", ".1f"), ("peak_mib", "peak MiB", ".0f"), "pool_grows",
            ("rel_err", "rel err", ".1e"), ("rel_diff_vs_unchunked", "vs C=None", ".1e"), "status"]
 

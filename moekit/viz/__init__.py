@@ -42,6 +42,7 @@ from moekit.viz.rows import (
     expert_segments,
     plot_chunks_per_expert,
     plot_sorted_rows,
+    plot_weight_bytes_per_chunk,
     row_chunk_counts,
 )
 from moekit.viz.tables import Table, plot_table, shape_rows, table
@@ -68,6 +69,7 @@ __all__ = [
     "plot_table",
     "plot_tokens_per_expert",
     "plot_weight_bytes",
+    "plot_weight_bytes_per_chunk",
     "plot_workspace_bytes",
     "row_chunk_counts",
     "shape_rows",

@@ -89,4 +89,26 @@ def plot_chunks_per_expert(series: dict, *, ax=None, title: str = "chunks that r
     return fig
 
 
-__all__ = ["chunks_per_expert", "expert_segments", "plot_chunks_per_expert", "plot_sorted_rows", "row_chunk_counts"]
+def plot_weight_bytes_per_chunk(series: dict, bytes_per_expert: int, *, ax=None,
+                                title: str = "weight bytes read per chunk"):  # fmt: skip
+    """One line of steps per plan in ``series`` (``name -> counts [num_chunks, E]``): the weight
+    bytes each chunk reads (experts it touches x ``bytes_per_expert``); the legend gives the total."""
+    fig, ax = axes_or_new(ax, width=7.0)
+    for name, counts in series.items():
+        per = to_numpy((torch.as_tensor(counts) > 0).sum(1)) * bytes_per_expert / 2**20
+        ax.step(range(len(per)), per, where="mid", marker="o", ms=3, label=f"{name}: {per.sum():.0f} MiB in all")
+    integer_ticks(ax, "x")
+    ax.set(xlabel="chunk", ylabel="MiB of weights read", title=title)
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
+    return fig
+
+
+__all__ = [
+    "chunks_per_expert",
+    "expert_segments",
+    "plot_chunks_per_expert",
+    "plot_sorted_rows",
+    "plot_weight_bytes_per_chunk",
+    "row_chunk_counts",
+]
