@@ -2,7 +2,8 @@
 
 Prints host microseconds per call of: a bare Triton launch and a torch op (to calibrate this
 machine's host speed), ``count_expert_num_tokens`` (scan and histogram, per-chunk size), and the
-whole Qwen3-30B-A3B layer at M=1, then a cProfile of the layer's call tree::
+whole Qwen3-30B-A3B layer at M=1, and at M=16384 in chunks of 8192 sorted rows (host time per
+call while the GPU is busy: the enqueue cost alone), then a cProfile of both call trees::
 
     python -m benchmarks.host_profile [--calls 300] [--top 30]
 """
@@ -24,6 +25,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import moekit
+from moekit import roofline
 from moekit.experts import TritonExperts
 from moekit.prepare_finalize import NoEPPrepareFinalize
 from moekit.testing import make_problem
@@ -54,28 +56,35 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     x = torch.zeros(64, device="cuda")
     ids = torch.randint(0, 64, (128, 8), device="cuda", dtype=torch.int32)
-    shape = moekit.roofline.get_shape("qwen3_30b_a3b")
+    shape = roofline.get_shape("qwen3_30b_a3b")
     p = make_problem(1, E=shape.E, topk=shape.topk, K=shape.K, N=shape.N, dtype=torch.bfloat16, device="cuda")
     kernel = moekit.ModularKernel(NoEPPrepareFinalize(), TritonExperts(), trace_counts=False)
+    big = make_problem(16384, E=shape.E, topk=shape.topk, K=shape.K, N=shape.N, dtype=torch.bfloat16, device="cuda")
+    rows = moekit.ModularKernel(NoEPPrepareFinalize(), TritonExperts(), chunk_size=8192, chunk_by="rows",
+                                trace_counts=False)  # fmt: skip
     rows = {
         "bare triton launch": lambda: _noop_kernel[(1,)](x, 64, BLOCK=64),
         "torch.empty(64)": lambda: torch.empty(64, device="cuda"),
         "count scan 128x8 E=64": lambda: moekit.count_expert_num_tokens(ids, 64, method="scan"),
         "count histogram 128x8 E=64": lambda: moekit.count_expert_num_tokens(ids, 64),
         "layer qwen3 bf16 M=1": lambda: kernel(*p.inputs(), **p.options()),
+        "layer qwen3 M=16384 R=8192 rows": lambda: rows(*big.inputs(), **big.options()),
     }
     for name, fn in rows.items():
         print(f"{name:<32} {host_us(fn, args.calls):8.1f} us host per call", flush=True)
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(args.calls):
-        kernel(*p.inputs(), **p.options())
-    prof.disable()
-    torch.cuda.synchronize()
-    for key in ("tottime", "cumulative"):
-        out = io.StringIO()
-        pstats.Stats(prof, stream=out).strip_dirs().sort_stats(key).print_stats(args.top)
-        print(f"== by {key} ({args.calls} calls)\n" + "\n".join(out.getvalue().splitlines()[4:]))
+    print(f"row-chunked call: {len(rows.last_trace)} chunks")
+    for what, fn, calls in (("M=1", lambda: kernel(*p.inputs(), **p.options()), args.calls),
+                            ("M=16384 rows", lambda: rows(*big.inputs(), **big.options()), 20)):  # fmt: skip
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            fn()
+        prof.disable()
+        torch.cuda.synchronize()
+        for key in ("tottime", "cumulative"):
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).strip_dirs().sort_stats(key).print_stats(args.top)
+            print(f"== {what}, by {key} ({calls} calls)\n" + "\n".join(out.getvalue().splitlines()[4:]))
     return 0
 
 

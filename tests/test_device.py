@@ -24,11 +24,3 @@ def test_switch_is_set_before_any_kernel_module_is_imported():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     if moekit.device.get_device().type == "cpu":
         assert out.stdout.strip() == "1"
-
-
-def test_info_command_prints_versions_device_and_deep_gemm():
-    out = subprocess.run([sys.executable, "-m", "moekit.cli", "info"], capture_output=True, text=True, check=True)
-    for word in ("torch", "triton", "numpy", "device", "interpreter", "deep_gemm"):
-        assert word in out.stdout
-    if moekit.device.get_device().type == "cpu":
-        assert "not usable" in out.stdout

@@ -81,12 +81,12 @@ def plain_ticks():
 
 
 def kib(v: int) -> str:
+    """Bytes as a short KiB label."""
     return f"{v / 1024:.0f} KiB" if v >= 10 * 1024 else f"{v / 1024:.1f} KiB"
 
 
 def enumerate2d(a):
     """``((i, j), a[i, j])`` over a 2-D array."""
-    """Bytes as a short KiB label."""
     for i in range(a.shape[0]):
         for j in range(a.shape[1]):
             yield (i, j), a[i, j]

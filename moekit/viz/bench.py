@@ -48,7 +48,8 @@ def bench_results(directory: str | Path | None = None) -> list[dict]:
 def latest_result(name: str, directory: str | Path | None = None) -> dict | None:
     """The newest record whose name is ``name`` (by the date in its file name), or None."""
     matching = [r for r in bench_results(directory) if r["name"] == name]
-    return max(matching, key=lambda r: (r["environment"].get("date", ""), r["path"])) if matching else None
+    dated = lambda r: r["environment"].get("date", "")[:4].isdigit()  # an undated record ("?") is never newer
+    return max(matching, key=lambda r: (dated(r), r["environment"].get("date", ""), r["path"])) if matching else None
 
 
 def load_anchors(path: str | Path) -> dict:

@@ -19,7 +19,7 @@ def test_row_chunk_counts_match_the_kernels_trace(R):
     kernel = ModularKernel(NoEPPrepareFinalize(), TritonExperts(), chunk_size=R, chunk_by="rows")
     kernel(*p.inputs())
     recorded = kernel.last_trace.counts_matrix()
-    counts = count_reference(local_expert_ids(p.topk_ids, 6), 6)
+    counts = count_reference(local_expert_ids(p.topk_ids, 6), 6).cpu()
     predicted = row_chunk_counts(counts, R)
     # The kernel's chunks cover the layout's bound; past the rows in use they hold nothing.
     assert torch.equal(recorded[: len(predicted)], predicted)
