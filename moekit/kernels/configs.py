@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from importlib import resources
 
 import torch
@@ -55,8 +55,9 @@ class KernelConfig:
 
     @property
     def launch(self) -> dict:
-        """Keyword arguments for a kernel launch (the tile shape, warps and stages)."""
-        return {k: v for k, v in asdict(self).items() if k != "tma"}
+        """Keyword arguments for a kernel launch (the tile shape, warps and stages); a new dict."""
+        return dict(BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N, BLOCK_K=self.BLOCK_K, GROUP_M=self.GROUP_M,
+                    num_warps=self.num_warps, num_stages=self.num_stages)  # fmt: skip
 
 
 # Few, large programs: the interpreter's cost is per program and per k-step, not per element
@@ -100,6 +101,7 @@ def get_config(
     return table_config(M * topk / max(E, 1), dtype, stage=stage, gated=gated)
 
 
+@functools.lru_cache(maxsize=256)  # a launch asks for its tiles every call: keep that off the host's path
 def table_config(rows_per_expert: float, dtype: torch.dtype, *, stage: int = 1, gated: bool = False) -> KernelConfig:
     """The table's entry for ``rows_per_expert`` (the first bucket with ``r <= max_rows``)."""
     for entry in load_table()[_DTYPE_KEYS[dtype]]:
