@@ -4,7 +4,8 @@ The files are written by ``python -m benchmarks.harness`` in a checkout: each ho
 ``{"name", "environment", "rows", ...}``. Three kinds are drawn:
 
 - ``layer-*``: time per call against M for each peer, with the floor and the H200 anchors;
-- ``chunking-*``: time per call against the chunk size C, relative to no chunking;
+- ``chunking-*``: time per call for each chunk plan (token chunks C, sorted-row chunks R), relative
+  to no chunking;
 - ``count*``: the count kernel's methods on the largest case, with the recorded anchors.
 """
 
@@ -66,8 +67,16 @@ def count_timing_rows(record: dict) -> list[dict]:
     rows = []
     for r in _ok(record["rows"]):
         graph = r.get("graph_us")
-        rows.append({"ids": f"{r['M']}x{r['topk']}", "E": r["E"], "ep": r.get("ep", 1), "method": r["method"],
-                     "eager us": round(r["us"], 1), "graph us": None if graph is None else round(graph, 1)})
+        rows.append(
+            {
+                "ids": f"{r['M']}x{r['topk']}",
+                "E": r["E"],
+                "ep": r.get("ep", 1),
+                "method": r["method"],
+                "eager us": round(r["us"], 1),
+                "graph us": None if graph is None else round(graph, 1),
+            }
+        )
     return rows
 
 
@@ -153,19 +162,31 @@ def plot_layer(record: dict, *, ax=None):
 
 
 def plot_chunking(record: dict, *, ax=None):
-    """Time per call against the chunk size C (C=None: one chunk), with the floor."""
-    fig, ax = axes_or_new(ax, width=5.6)
+    """Time per call for each chunk plan: token chunks of C (blue; C=None is one chunk) and chunks
+    of R sorted rows (orange), eager bars labelled by their ratio to one chunk, CUDA-graph times as
+    dots where recorded, and the floor."""
+    fig, ax = axes_or_new(ax, width=6.4)
     rows = _ok(record["rows"])
-    labels = ["none" if r.get("C") is None else str(r["C"]) for r in rows]
-    bars = ax.bar(range(len(rows)), [r["us"] for r in rows], color="tab:blue")
+    by_rows = [r.get("chunk_by") == "rows" for r in rows]
+    labels = [
+        "none" if r.get("C") is None else f"{'R' if b else 'C'}={r['C']}" for r, b in zip(rows, by_rows, strict=True)
+    ]
+    bars = ax.bar(range(len(rows)), [r["us"] for r in rows], color=["tab:orange" if b else "tab:blue" for b in by_rows])
     ratios = [r.get("ratio_vs_unchunked") for r in rows]
     ax.bar_label(bars, labels=["" if x is None else f"{x:.2f}x" for x in ratios], fontsize=7)
+    graph = [(i, r["graph_us"]) for i, r in enumerate(rows) if r.get("graph_us")]
+    if graph:
+        ax.scatter(*zip(*graph, strict=True), color="black", s=14, zorder=3, label="CUDA graph")
     floor = next((r["floor_us"] for r in rows if r.get("floor_us")), None)
     if floor:
         ax.axhline(floor, color="black", ls="--", lw=1, label="floor")
+    if any(by_rows):
+        ax.bar([0], [0], color="tab:blue", label="token chunks (C tokens)")
+        ax.bar([0], [0], color="tab:orange", label="sorted-row chunks (R rows)")
+    if graph or floor or any(by_rows):
         ax.legend(fontsize=7)
-    ax.set_xticks(range(len(rows)), labels)
-    ax.set(xlabel="chunk size C", ylabel="us per call", title=_title(record))
+    ax.set_xticks(range(len(rows)), labels, rotation=45 if len(rows) > 6 else 0, fontsize=7)
+    ax.set(xlabel="chunk plan", ylabel="us per call (eager)", title=_title(record))
     return fig
 
 
