@@ -29,7 +29,8 @@ _LAZY = {
 }
 
 
-_SUBMODULES = {"api", "experts", "integrations", "kernels", "policies", "prepare_finalize", "testing", "viz", "widgets"}
+_SUBMODULES = {"api", "backends", "cli", "ep", "experts", "integrations", "kernels", "modular_kernel", "policies",
+               "prepare_finalize", "roofline", "testing", "trace", "validate", "viz", "widgets", "workspace"}
 
 
 def __getattr__(name):

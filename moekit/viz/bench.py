@@ -186,7 +186,7 @@ def plot_chunking(record: dict, *, ax=None):
     if graph or floor or any(by_rows):
         ax.legend(fontsize=7)
     ax.set_xticks(range(len(rows)), labels, rotation=45 if len(rows) > 6 else 0, fontsize=7)
-    ax.set(xlabel="chunk plan", ylabel="us per call (eager)", title=_title(record))
+    ax.set(xlabel="chunk plan", ylabel="us per call (eager; log)", yscale="log", title=_title(record))
     return fig
 
 
