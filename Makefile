@@ -34,8 +34,10 @@ test-fast: venv
 walkthrough: venv
 	$(PY) -m moekit.cli walkthrough $(ARGS)
 
+# As root (containers, CI) JupyterLab refuses to start without --allow-root; it still listens on
+# localhost only, with a token.
 lab: venv
-	$(VENV)/bin/jupyter lab notebooks
+	$(VENV)/bin/jupyter lab notebooks --ip=127.0.0.1 $(if $(filter 0,$(shell id -u)),--allow-root)
 
 bench: venv
 	$(PY) -m benchmarks.harness $(ARGS)

@@ -62,8 +62,10 @@ def kernel_spec_dir() -> Path:
     root = Path(tempfile.gettempdir()) / f"moekit-kernels-{tag}"
     spec = root / "kernels" / KERNEL_NAME
     spec.mkdir(parents=True, exist_ok=True)
-    # log_level: the kernel warns at every start that loopback TCP is unencrypted; keep errors.
-    argv = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}", "--IPKernelApp.log_level=ERROR"]
+    # log_level: the kernel warns at every start that loopback TCP is unencrypted, and logs
+    # "KeyboardInterrupt caught in kernel" at ERROR when nbclient interrupts it at shutdown. Its
+    # real errors reach the notebook as cell outputs, so its own log stays quiet.
+    argv = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}", "--IPKernelApp.log_level=CRITICAL"]
     body = {"argv": argv, "display_name": "Python (moekit)", "language": "python"}
     (spec / "kernel.json").write_text(json.dumps(body, indent=1))
     return root

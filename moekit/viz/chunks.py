@@ -98,6 +98,15 @@ def plot_stacked_chunks(counts, *, ax=None, title: str = "tokens per chunk, stac
     integer_ticks(ax, "x")
     if 0 < E <= 16:
         ax.legend(ncols=2, fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
+    elif E > 16:  # too many for a legend: a colour bar, one band per expert
+        from matplotlib.cm import ScalarMappable
+        from matplotlib.colors import BoundaryNorm, ListedColormap
+
+        bands = ScalarMappable(norm=BoundaryNorm(range(E + 1), E), cmap=ListedColormap(palette))
+        bar = fig.colorbar(bands, ax=ax, label="expert")
+        bar.set_ticks(
+            [e + 0.5 for e in range(0, E, max(1, E // 8))], labels=[str(e) for e in range(0, E, max(1, E // 8))]
+        )
     return fig
 
 
