@@ -61,11 +61,17 @@ class UnsupportedModelError(MoekitError, ValueError):
     """A model's MoE layers do not use the gated ``gate_up_proj``/``down_proj`` layout."""
 
 
+class ExerciseFailed(MoekitError, AssertionError):
+    """A workbook check (:mod:`moekit.workbook`) found a case the learner's code gets wrong; the
+    message names the case, what was expected and what came."""
+
+
 __all__ = [
     "BackendUnavailableError",
     "CapacityError",
     "ChunkSizeError",
     "DistributedError",
+    "ExerciseFailed",
     "FormatMismatchError",
     "InvalidIdsError",
     "InvalidInputError",

@@ -7,6 +7,7 @@ window; and Jupyter shows a figure once, when it is the value of a cell (or ``di
 matplotlib is imported inside the functions, so ``import moekit`` does not need it.
 
 - :mod:`moekit.viz.chunks`: tokens per (chunk, expert), weight bytes read, workspace bytes;
+- :mod:`moekit.viz.flow`: one forward's data flow, every chunk a box, from its trace;
 - :mod:`moekit.viz.rows`: chunks of expert-sorted rows: the layout strip, rows per (chunk, expert);
 - :mod:`moekit.viz.tables`: tables as text, HTML or a figure; tensor shapes at every step;
 - :mod:`moekit.viz.bench`: the recorded GPU benchmark results against anchors and floors.
@@ -37,6 +38,7 @@ from moekit.viz.chunks import (
     plot_workspace_bytes,
     weight_bytes_read,
 )
+from moekit.viz.flow import plot_data_flow
 from moekit.viz.rows import (
     chunks_per_expert,
     expert_segments,
@@ -64,6 +66,7 @@ __all__ = [
     "plot_chunks_per_expert",
     "plot_counts_heatmap",
     "plot_counts_vs_whole",
+    "plot_data_flow",
     "plot_sorted_rows",
     "plot_stacked_chunks",
     "plot_table",

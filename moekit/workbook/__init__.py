@@ -1,0 +1,161 @@
+"""The workbook's exercises: checks that grade the learner's code, and hidden solutions.
+
+Notebook ``10_workbook`` gives each exercise a task, a skeleton and a hint; this package grades::
+
+    from moekit import workbook
+    workbook.check("chunk_plan", chunk_plan, chunk_inputs)   # True, or False and one line why
+    workbook.show_solution("chunk_plan")                     # on purpose only: prints the solution
+    fns = workbook.solution("chunk_plan")                    # the solution's objects, for a check
+
+A check runs the code on seeded random and edge cases against :mod:`moekit.reference` and,
+where the exercise is about *how*, checks how (views, not copies; the chunk's own rows; each id
+loaded once). A failed check raises :class:`moekit.errors.ExerciseFailed` inside; :func:`check`
+prints its one line (or re-raises with ``strict=True``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+
+from moekit.errors import ExerciseFailed, InvalidInputError
+
+
+@dataclass(frozen=True)
+class Exercise:
+    """One exercise: what the learner writes (``names``), its check, and its solution module."""
+
+    key: str
+    title: str
+    names: tuple[str, ...]
+    check: str  # "module:function" under moekit.workbook
+    solution: str  # module under moekit.workbook.solutions
+
+
+EXERCISES = {
+    e.key: e
+    for e in (
+        Exercise(
+            "chunk_plan", "1. The chunk plan", ("chunk_plan", "chunk_inputs"), "checks:check_chunk_plan", "chunk_plan"
+        ),
+        Exercise(
+            "workspace_shapes",
+            "2. Workspace shapes of a new backend",
+            ("MyExperts",),
+            "checks:check_workspace_shapes",
+            "workspace",
+        ),
+        Exercise("recount", "3. The per-chunk recount", ("chunk_counts",), "checks:check_recount", "recount"),
+        Exercise(
+            "scan_kernel",
+            "4a. The count kernel: the seed's scan",
+            ("scan_kernel",),
+            "kernel_checks:check_scan_kernel",
+            "count_kernels",
+        ),
+        Exercise(
+            "histogram_kernel",
+            "4b. The count kernel: one pass",
+            ("histogram_kernel",),
+            "kernel_checks:check_histogram_kernel",
+            "count_kernels",
+        ),
+        Exercise(
+            "align_kernel",
+            "5. moe_align_block_size in Triton",
+            ("align_kernel",),
+            "kernel_checks:check_align_kernel",
+            "align",
+        ),
+        Exercise(
+            "row_plan",
+            "6. A chunk plan along the sorted rows",
+            ("row_chunk_plan",),
+            "checks:check_row_plan",
+            "row_plan",
+        ),
+    )  # fmt: skip
+}
+
+
+def _exercise(key: str) -> Exercise:
+    if key not in EXERCISES:
+        raise InvalidInputError(f"no exercise {key!r}; the exercises are {list(EXERCISES)}")
+    return EXERCISES[key]
+
+
+def grade(key: str, *objects) -> int:
+    """Run exercise ``key``'s check on ``objects`` (the learner's, in :attr:`Exercise.names`
+    order); returns the number of cases checked, or raises ExerciseFailed."""
+    ex = _exercise(key)
+    if len(objects) != len(ex.names):
+        raise InvalidInputError(f"exercise {key!r} checks {len(ex.names)} object(s) {ex.names}, got {len(objects)}")
+    module, name = ex.check.split(":")
+    fn = getattr(importlib.import_module(f"moekit.workbook.{module}"), name)
+    try:
+        return fn(*objects)
+    except ExerciseFailed:
+        raise
+    except NotImplementedError as e:
+        raise ExerciseFailed(f"not written yet ({type(e).__name__}{': ' + str(e) if str(e) else ''})") from e
+    except Exception as e:  # the learner's code crashed: that is a failed case, said in one line
+        raise ExerciseFailed(f"{type(e).__name__}: {str(e).splitlines()[0][:240] if str(e) else ''}") from e
+
+
+def check(key: str, *objects, strict: bool = False) -> bool:
+    """Grade and print one line: ``PASS`` with the number of cases, or ``FAIL`` and why."""
+    title = _exercise(key).title
+    try:
+        cases = grade(key, *objects)
+    except ExerciseFailed as e:
+        if strict:
+            raise
+        print(f"FAIL  {title}: {e}")
+        return False
+    print(f"PASS  {title}: {cases} cases")
+    return True
+
+
+def solution(key: str) -> tuple:
+    """The solution's objects of exercise ``key`` (what :func:`check` takes)."""
+    ex = _exercise(key)
+    module = importlib.import_module(f"moekit.workbook.solutions.{ex.solution}")
+    return tuple(getattr(module, n) for n in ex.names)
+
+
+def solution_source(key: str) -> str:
+    """The source of exercise ``key``'s solution."""
+    return "\n\n".join(inspect.getsource(obj) for obj in solution(key))
+
+
+def show_solution(key: str) -> None:
+    """Print exercise ``key``'s solution (the notebook never does unless asked)."""
+    print(solution_source(key))
+
+
+def check_button(key: str, objects):
+    """A button that re-runs :func:`check` on ``objects()`` (a callable returning the learner's
+    current objects) and shows the one-line result beside it."""
+    import contextlib
+    import io
+
+    import ipywidgets
+
+    button = ipywidgets.Button(description=f"check {key}")
+    result = ipywidgets.HTML()
+
+    def run(_=None):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            ok = check(key, *objects())
+        colour = "green" if ok else "firebrick"
+        result.value = f"<code style='color:{colour}'>{out.getvalue().strip()}</code>"
+
+    button.on_click(run)
+    box = ipywidgets.HBox([button, result])
+    box.run = run  # (what a click does, for a script or a test)
+    return box
+
+
+__all__ = ["EXERCISES", "Exercise", "check", "check_button", "grade", "show_solution", "solution", "solution_source"]

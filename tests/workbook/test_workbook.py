@@ -1,0 +1,91 @@
+"""The workbook's checks in both directions: the solutions pass; the notebook's skeletons and
+known-wrong solutions (at least two per exercise) fail, each with a one-line reason."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from moekit import workbook
+from moekit.device import interpreting
+from moekit.errors import ExerciseFailed, InvalidInputError
+
+_path = Path(__file__).with_name("wrong_solutions.py")
+_spec = importlib.util.spec_from_file_location("workbook_wrong_solutions", _path)
+_wrong = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_wrong)
+WRONG = _wrong.WRONG
+
+NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "10_workbook.ipynb"
+
+
+@pytest.mark.parametrize("key", list(workbook.EXERCISES))
+def test_the_solution_passes(key):
+    assert workbook.grade(key, *workbook.solution(key)) > 0
+
+
+def _skeletons() -> dict:
+    """Run the notebook's import cell and every cell tagged 'exercise'; the names they define."""
+    cells = json.loads(NOTEBOOK.read_text())["cells"]
+    code = [c for c in cells if c["cell_type"] == "code"]
+    scope: dict = {}
+    exec("".join(code[1]["source"]), scope)  # the imports (code[0] is the parameters cell)
+    for c in code:
+        if "exercise" in c["metadata"].get("tags", []):
+            exec("".join(c["source"]), scope)
+    return scope
+
+
+@pytest.mark.parametrize("key", list(workbook.EXERCISES))
+def test_the_notebooks_skeleton_fails(key):
+    scope = _skeletons()
+    objects = [scope[n] for n in workbook.EXERCISES[key].names]
+    with pytest.raises(ExerciseFailed):
+        workbook.grade(key, *objects)
+
+
+CASES = [(key, fns, why) for key, wrongs in WRONG.items() for fns, why in wrongs]
+
+
+@pytest.mark.parametrize("key, fns, why", CASES, ids=[f"{k}-{'-'.join(x.__name__ for x in f)}" for k, f, _ in CASES])
+def test_a_known_wrong_solution_fails_for_its_reason(key, fns, why):
+    if key == "histogram_kernel" and why == "reads each id once" and not interpreting():
+        pytest.skip("loads are counted under the interpreter only")
+    with pytest.raises(ExerciseFailed, match=why) as caught:
+        workbook.grade(key, *fns)
+    assert "\n" not in str(caught.value), "a failed check says why in one line"
+
+
+def test_every_exercise_has_two_wrong_solutions():
+    assert set(WRONG) == set(workbook.EXERCISES) and all(len(w) >= 2 for w in WRONG.values())
+
+
+def test_check_prints_one_line_and_strict_raises(capsys):
+    assert workbook.check("recount", *workbook.solution("recount")) is True
+    assert capsys.readouterr().out.startswith("PASS  3. The per-chunk recount")
+    wrong = WRONG["recount"][0][0]
+    assert workbook.check("recount", *wrong) is False
+    assert capsys.readouterr().out.startswith("FAIL  3. The per-chunk recount: chunk_counts(")
+    with pytest.raises(ExerciseFailed):
+        workbook.check("recount", *wrong, strict=True)
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(InvalidInputError, match="no exercise 'nope'"):
+        workbook.grade("nope", len)
+    with pytest.raises(InvalidInputError, match="checks 2 object"):
+        workbook.grade("chunk_plan", len)
+
+
+def test_show_solution_prints_the_source(capsys):
+    workbook.show_solution("row_plan")
+    assert "def row_chunk_plan" in capsys.readouterr().out
+
+
+def test_the_button_reruns_the_check():
+    box = workbook.check_button("recount", lambda: workbook.solution("recount"))
+    box.run()
+    assert "PASS" in box.children[1].value
