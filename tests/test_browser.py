@@ -39,6 +39,7 @@ CHROMIUM_ARGS = [
 ]
 EXPLORER = "03_per_chunk_expert_assignment.ipynb"
 CRASH = "02_workspace_shape_crash.ipynb"
+WORKBOOK = "10_workbook.ipynb"
 RUN_ALL_TIMEOUT_MS = 240_000
 VISIBLE = ".jp-NotebookPanel:not(.lm-mod-hidden)"  # the notebook on screen
 
@@ -87,6 +88,12 @@ def lab(tmp_path_factory):
     # No news pop-up (it asks to fetch from the internet) covering the notebook.
     disabled = {"@jupyterlab/apputils-extension:announcements": True}
     (labconfig / "page_config.json").write_text(json.dumps({"disabledExtensions": disabled}))
+    # Render every cell (JupyterLab 4 skips painting cells off screen, so their text is not in the
+    # page's innerText): the tests read outputs anywhere in a notebook.
+    env["JUPYTERLAB_SETTINGS_DIR"] = str(tmp / "lab-settings")
+    tracker = Path(env["JUPYTERLAB_SETTINGS_DIR"]) / "@jupyterlab" / "notebook-extension"
+    tracker.mkdir(parents=True)
+    (tracker / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
     port, token = _free_port(), secrets.token_hex(16)
     jupyter = Path(sys.executable).parent / "jupyter"
     cmd = [str(jupyter), "lab"] if jupyter.exists() else [sys.executable, "-m", "jupyterlab"]
@@ -204,5 +211,27 @@ def test_crash_notebook_shows_errors_and_checks(browser, lab):
         )
         page.screenshot(path=str(SHOTS / "02_after_slider.png"), full_page=True)
         assert "ran through" in summary.inner_text()
+    finally:
+        page.close()
+
+
+def test_a_learner_fills_an_exercise_and_its_check_passes(browser, lab):
+    """The workbook as a learner meets it: the skeleton's check fails; type the solution into the
+    exercise cell, run it and its check, and the check passes."""
+    from moekit import workbook
+
+    page = _open(browser, lab, WORKBOOK)
+    try:
+        _run_all(page, "10_after_run_all.png")
+        text = page.locator(f"{VISIBLE} .jp-Notebook").inner_text()
+        assert "FAIL  3. The per-chunk recount: not written yet" in text
+        cell = page.locator(f"{VISIBLE} .jp-CodeCell", has_text="def chunk_counts").first
+        cell.locator(".cm-content").click()
+        page.keyboard.press("Control+a")
+        page.keyboard.insert_text(workbook.solution_source("recount"))  # no auto-indent: typed as one input
+        page.keyboard.press("Shift+Enter")  # run the exercise cell, move to its check
+        page.keyboard.press("Shift+Enter")  # run the check
+        page.get_by_text("PASS  3. The per-chunk recount").first.wait_for(timeout=60_000)
+        page.screenshot(path=str(SHOTS / "10_after_solution.png"), full_page=True)
     finally:
         page.close()
