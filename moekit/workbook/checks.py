@@ -87,7 +87,7 @@ def check_workspace_shapes(experts_class) -> int:
 
     cases = 0
     for M, C in ((130, 128), (7, 3), (64, None), (1, 1), (257, 64)):
-        p = make_problem(M, E=4, topk=2, K=32, N=64, dtype=torch.float32, seed=M, device="cpu")
+        p = make_problem(M, E=4, topk=2, K=32, N=64, dtype=torch.float32, seed=M)
         kernel = ModularKernel(NoEPPrepareFinalize(), experts_class(), chunk_size=C)
         try:
             out = kernel(*p.inputs())
