@@ -56,10 +56,10 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, dtype: torch.d
     relative standard.
     """
     atol, rtol = tolerance(dtype)
-    ref = expected.float().cpu()
+    ref = expected.detach().float().cpu()
     if scale is None:
         scale = float(ref.abs().max()) if ref.numel() else 1.0
-    got = actual.float().cpu()
+    got = actual.detach().float().cpu()
     torch.testing.assert_close(got, ref, atol=atol * max(scale, 1e-6), rtol=rtol)
     if dtype in NORM_TOLERANCE and ref.numel():
         rel = float((got - ref).norm() / ref.norm().clamp_min(1e-12))

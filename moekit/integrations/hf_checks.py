@@ -26,9 +26,11 @@ def check_model(model: torch.nn.Module) -> list[str]:
             f"{type(model).__name__} has no transformers experts module (a class decorated with "
             "@use_experts_implementation); there is nothing for moekit to run"
         )
+    from moekit.integrations.hf_fp8 import check_fp8_module, is_fp8_experts
+
     modules = dict(model.named_modules())
     for n in names:
-        check_module(modules[n], name=n)
+        (check_fp8_module if is_fp8_experts(modules[n]) else check_module)(modules[n], name=n)
     return names
 
 

@@ -16,6 +16,12 @@ Every experts module gets its own ``ModularKernel(NoEPPrepareFinalize(), experts
 on its first forward (all layers share one workspace pool per device), after a check that the
 module computes exactly ``down(silu(gate) * up)``: no biases, SiLU, gate rows before up rows, no
 custom gating. Anything else raises :class:`~moekit.errors.UnsupportedModelError`.
+
+fp8 block-quantized models (transformers' fine-grained fp8: ``FP8Experts`` with 128 x 128 weight
+scales and dynamic 1 x 128 activation scales, as ``Qwen/Qwen3-30B-A3B-FP8``) run through
+``fp8_experts`` (default :class:`~moekit.experts.TritonOrDeepGemmExperts`, so a prefill of 128 or
+more tokens per chunk takes DeepGEMM's layout and the rest Triton): see
+:mod:`moekit.integrations.hf_fp8`.
 """
 
 from __future__ import annotations
@@ -29,16 +35,20 @@ import torch
 from moekit.errors import (
     InvalidInputError,
     OptionalDependencyError,
-    UnsupportedModelError,
 )
 from moekit.experts.base import Experts
 from moekit.integrations.hf_checks import check_model, check_module
+from moekit.integrations.hf_fp8 import check_fp8_module, to_fp8_experts
 
-__all__ = ["check_model", "check_module", "register", "traces"]
+__all__ = ["check_fp8_module", "check_model", "check_module", "register", "to_fp8_experts", "traces"]
 
 NAME = "moekit"
 INSTALL_HINT = "pip install 'moekit[hf]'"
 _EXPERTS_BY_NAME = {"triton": ("moekit.experts.triton", "TritonExperts")}
+_FP8_EXPERTS_BY_NAME = {
+    "triton": ("moekit.experts.triton", "TritonExperts"),
+    "triton_or_deep_gemm": ("moekit.experts.triton_or_deep_gemm", "TritonOrDeepGemmExperts"),
+}
 
 
 def _hf_moe():
@@ -62,16 +72,21 @@ class Settings:
     make_experts: Callable[[], Experts]
     chunk_size: int | None
     kernel_options: dict
+    make_fp8_experts: Callable[[], Experts] | None = None
     pools: dict = field(default_factory=dict)  # device -> WorkspacePool, shared by all layers
 
-    def build_kernel(self, device: torch.device):
-        """A new ModularKernel for one layer, on this setting's shared pool for ``device``."""
+    def build_kernel(self, device: torch.device, *, fp8: bool = False):
+        """A new ModularKernel for one layer (fp8: for an FP8Experts layer), on this setting's
+        shared pool for ``device``."""
         from moekit.modular_kernel import ModularKernel
         from moekit.prepare_finalize import NoEPPrepareFinalize
+        from moekit.types import QuantScheme
         from moekit.workspace import WorkspacePool
 
         pool = self.pools.setdefault(device, WorkspacePool(device))
-        experts = _checked_experts(self.make_experts())
+        experts = _checked_experts(self.make_fp8_experts() if fp8 else self.make_experts())
+        if fp8 and experts.quant is not QuantScheme.FP8_BLOCK:
+            raise InvalidInputError(f"fp8_experts must run QuantScheme.FP8_BLOCK, got {experts!r}")
         return ModularKernel(
             NoEPPrepareFinalize(), experts, chunk_size=self.chunk_size, pool=pool, **self.kernel_options
         )
@@ -89,6 +104,7 @@ def register(
     experts: str | Experts | Callable[[], Experts] = "triton",
     chunk_size: int | None = None,
     name: str = NAME,
+    fp8_experts: str | Experts | Callable[[], Experts] = "triton_or_deep_gemm",
     **kernel_options,
 ) -> str:
     """Register ``name`` in transformers' ExpertsInterface; return ``name``.
@@ -103,6 +119,8 @@ def register(
             instance (shared by all layers), or a zero-argument factory called once per layer.
         chunk_size: tokens per chunk, or None for one chunk per forward.
         name: the implementation name; register several (``"moekit-c16"``) to compare settings.
+        fp8_experts: what fp8 block-quantized layers (``FP8Experts``) run: ``"triton_or_deep_gemm"``
+            (the default), ``"triton"``, or an fp8 :class:`Experts` instance or factory.
         **kernel_options: passed to :class:`~moekit.ModularKernel` (``trace_counts``,
             ``workspace_policy``, ``metadata_policy``, ``guard``).
 
@@ -119,27 +137,25 @@ def register(
             f"name must be a new experts implementation name (not one of transformers' "
             f"{['eager', *moe.ALL_EXPERTS_FUNCTIONS]}), got {name!r}"
         )
-    settings = Settings(name, _experts_factory(experts), chunk_size, dict(kernel_options))
+    settings = Settings(name, _experts_factory(experts), chunk_size, dict(kernel_options),
+                        make_fp8_experts=_experts_factory(fp8_experts, fp8=True))  # fmt: skip
     settings.build_kernel(torch.device("cpu"))  # validates experts, chunk size and options now
+    settings.build_kernel(torch.device("cpu"), fp8=True)
     settings.pools.clear()
 
     def forward(module, hidden_states, top_k_index, top_k_weights):
         return _forward(settings, module, hidden_states, top_k_index, top_k_weights)
 
-    def refuse_fp8(module, *args, **kwargs):
-        raise UnsupportedModelError(
-            f"{type(module).__name__} holds fp8-quantized experts (FineGrainedFP8); the moekit "
-            "integration runs unquantized bf16/fp16/fp32 weights. Load the checkpoint dequantized "
-            "or pick another experts_implementation."
-        )
+    def fp8_forward(module, hidden_states, top_k_index, top_k_weights):
+        return _forward(settings, module, hidden_states, top_k_index, top_k_weights, fp8=True)
 
-    forward._moekit = refuse_fp8._moekit = settings
+    forward._moekit = fp8_forward._moekit = settings
     moe.ExpertsInterface.register(name, forward)
     try:
         from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
 
-        FP8ExpertsInterface.register(name, refuse_fp8)
-    except ImportError:  # older transformers: no fp8 experts to refuse
+        FP8ExpertsInterface.register(name, fp8_forward)
+    except ImportError:  # older transformers: no fp8 experts
         pass
     return name
 
@@ -158,12 +174,14 @@ def traces(model: torch.nn.Module) -> dict:
 
 
 # ------------------------------------------------------------------------------------------
-def _forward(settings: Settings, module, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+def _forward(settings: Settings, module, hidden_states, top_k_index, top_k_weights, *, fp8: bool = False):
+    from moekit.integrations.hf_fp8 import check_fp8_module
+
     layer = module.__dict__.get("_moekit")
     if layer is None or layer.settings is not settings or layer.device != hidden_states.device:
-        check_module(module)
+        check_fp8_module(module) if fp8 else check_module(module)
         device = hidden_states.device
-        layer = _Layer(settings, device, settings.build_kernel(device))
+        layer = _Layer(settings, device, settings.build_kernel(device, fp8=fp8))
         module.__dict__["_moekit"] = layer  # not a submodule or buffer: stays out of state_dict
     w1, w2 = module.gate_up_proj, module.down_proj
     if torch.is_grad_enabled() and (w1.requires_grad or hidden_states.requires_grad):
@@ -175,7 +193,11 @@ def _forward(settings: Settings, module, hidden_states, top_k_index, top_k_weigh
     # transformers marks empty slots (experts on other ranks) with id E; moekit uses -1.
     ids = torch.where(top_k_index < w1.shape[0], top_k_index, -1).contiguous()
     with torch.no_grad():
-        out = layer.kernel(hidden_states.to(w1.dtype).contiguous(), w1, w2, top_k_weights.contiguous(), ids)
+        if fp8:  # prepare quantizes the activations per 1x128 group, as transformers' dynamic scheme
+            scales = dict(w1_scale=module.gate_up_proj_scale_inv, w2_scale=module.down_proj_scale_inv)
+            out = layer.kernel(hidden_states.contiguous(), w1, w2, top_k_weights.contiguous(), ids, **scales)
+        else:
+            out = layer.kernel(hidden_states.to(w1.dtype).contiguous(), w1, w2, top_k_weights.contiguous(), ids)
     return out.to(hidden_states.dtype)
 
 
@@ -186,14 +208,20 @@ def _check_import_order() -> None:
 
 
 
-def _experts_factory(experts) -> Callable[[], Experts]:
+def _experts_factory(experts, *, fp8: bool = False) -> Callable[[], Experts]:
     if isinstance(experts, str):
-        if experts not in _EXPERTS_BY_NAME:
-            raise InvalidInputError(f"experts must be one of {sorted(_EXPERTS_BY_NAME)}, got {experts!r}")
+        names = _FP8_EXPERTS_BY_NAME if fp8 else _EXPERTS_BY_NAME
+        if experts not in names:
+            what = "fp8_experts" if fp8 else "experts"
+            raise InvalidInputError(f"{what} must be one of {sorted(names)}, got {experts!r}")
+        import functools
         import importlib
 
-        module, cls = _EXPERTS_BY_NAME[experts]
-        return getattr(importlib.import_module(module), cls)
+        from moekit.types import QuantScheme
+
+        module, cls = names[experts]
+        factory = getattr(importlib.import_module(module), cls)
+        return functools.partial(factory, quant=QuantScheme.FP8_BLOCK) if fp8 else factory
     if isinstance(experts, Experts):
         return lambda: experts
     if callable(experts):
