@@ -28,6 +28,7 @@ from moekit.integrations.hf_fp8 import (  # noqa: E402
 from moekit.testing import NORM_TOLERANCE, assert_close, expect_raises  # noqa: E402
 
 pytestmark = pytest.mark.hf
+DEVICE = moekit.device.get_device()
 FP8 = torch.float8_e4m3fn
 CONFIG = dict(vocab_size=128, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               num_experts_per_tok=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
@@ -42,7 +43,7 @@ def models():
     register_fp8_reference()
     cfg = transformers.AutoConfig.for_model("qwen3_moe", **CONFIG)
     torch.manual_seed(0)
-    base = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    base = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).to(DEVICE).eval()
     fp8 = to_fp8_experts(copy.deepcopy(base))
     return base, fp8
 
@@ -66,7 +67,7 @@ def test_to_fp8_experts_builds_transformers_fp8_modules(models):
 @pytest.mark.parametrize("impl", list(CHUNKS))
 def test_every_layer_and_the_logits_match_the_fp8_oracle(models, impl):
     _, fp8 = models
-    ids = torch.randint(3, 128, (1, 16 if CHUNKS[impl] == 1 else 130))
+    ids = torch.randint(3, 128, (1, 16 if CHUNKS[impl] == 1 else 130), device=DEVICE)
     seen = {}
     hooks = [m.register_forward_hook(lambda m, a, o, n=n: seen.setdefault(n, (a, o)) and None)
              for n, m in fp8.named_modules() if is_fp8_experts(m)]  # fmt: skip
@@ -92,7 +93,7 @@ def test_a_prefill_crosses_the_deep_gemm_switch_inside_the_model(models):
     _, fp8 = models
     fp8.set_experts_implementation("moekit-fp8-c128")
     with torch.no_grad():
-        fp8(torch.randint(3, 128, (1, 130)))
+        fp8(torch.randint(3, 128, (1, 130), device=DEVICE))
     for trace in moekit_hf.traces(fp8).values():
         assert [b.split("[")[0] for b in trace.backends] == ["deep_gemm", "triton"]
 
@@ -101,7 +102,7 @@ def test_greedy_generation_is_the_same_with_chunks_of_64(models):
     """The PR's VLLM_FUSED_MOE_CHUNK_SIZE=64 run: greedy tokens with and without chunking agree;
     where they part, the unchunked run's top two logits were within fp8's rounding (a tie)."""
     _, fp8 = models
-    ids = torch.randint(3, 128, (1, 130))
+    ids = torch.randint(3, 128, (1, 130), device=DEVICE)
     runs = {}
     for impl in ("moekit-fp8", "moekit-fp8-c64"):
         fp8.set_experts_implementation(impl)

@@ -31,6 +31,7 @@ from moekit.errors import (  # noqa: E402
 from moekit.testing import assert_close, expect_raises  # noqa: E402
 
 pytestmark = pytest.mark.hf
+DEVICE = moekit.device.get_device()  # the kernels' device: the models and their inputs go there
 
 TINY = dict(
     vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -73,7 +74,7 @@ def tiny_model(family: str, dtype=torch.float32, **overrides):
     cfg = transformers.AutoConfig.for_model(family, **{**TINY, **FAMILIES.get(family, {}), **overrides})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation="eager", dtype=dtype)
-    return model.eval()
+    return model.to(DEVICE).eval()
 
 
 def logits(model, impl: str, ids: torch.Tensor) -> torch.Tensor:
@@ -89,7 +90,7 @@ def test_logits_match_eager(family, dtype):
     layers = moekit_hf.check_model(model)
     topk = model.config.num_experts_per_tok
     for impl, C in CHUNKS.items():
-        ids = torch.randint(3, 128, (1, 5) if C == 1 else (2, 10))  # C=1: a chunk per token, keep M small
+        ids = torch.randint(3, 128, (1, 5) if C == 1 else (2, 10), device=DEVICE)  # C=1: small M
         expected = logits(model, "eager", ids)
         assert_close(logits(model, impl, ids), expected, dtype=dtype)
         traces = moekit_hf.traces(model)
@@ -104,7 +105,7 @@ def test_logits_match_eager(family, dtype):
 def test_greedy_generation_same_with_and_without_chunking():
     # Two prompts, so that under C=1 every decode step (M=2) is chunked too, not just the prompt.
     model = tiny_model("qwen3_moe", num_hidden_layers=1)
-    ids = torch.randint(3, 128, (2, 4))
+    ids = torch.randint(3, 128, (2, 4), device=DEVICE)
     out = {}
     for impl in ("eager", "moekit", "moekit-c1"):
         model.set_experts_implementation(impl)
@@ -132,7 +133,7 @@ def test_unsupported_models_are_refused_by_name():
     gelu = tiny_model("qwen3_moe", hidden_act="gelu")
     gelu.set_experts_implementation("moekit")
     with expect_raises(UnsupportedModelError, match="activation is GELUActivation"), torch.no_grad():
-        gelu(torch.randint(3, 128, (1, 4)))
+        gelu(torch.randint(3, 128, (1, 4), device=DEVICE))
     dense = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model("llama", **TINY))
     with expect_raises(UnsupportedModelError, match="no transformers experts module"):
         moekit_hf.check_model(dense)
@@ -175,7 +176,7 @@ def _tiny_experts(family: str, cls_name: str) -> torch.nn.Module:
                 continue
         for p in module.parameters():
             p.data = torch.randn_like(p) / 8
-        return module
+        return module.to(DEVICE)
     raise AssertionError(f"could not build {cls_name}: {errors}")
 
 
@@ -186,9 +187,9 @@ def test_every_experts_class_matches_eager_or_is_refused(family, cls_name):
         with expect_raises(UnsupportedModelError, match=REFUSED[family]):
             moekit_hf.check_module(module)
         return
-    hidden = torch.randn(8, 64)
-    ids = torch.stack([torch.randperm(8)[:2] for _ in range(8)])
-    weights = torch.rand(8, 2)
+    hidden = torch.randn(8, 64, device=DEVICE)
+    ids = torch.stack([torch.randperm(8)[:2] for _ in range(8)]).to(DEVICE)
+    weights = torch.rand(8, 2, device=DEVICE)
     with torch.no_grad():
         module.config._experts_implementation = "eager"
         expected = module(hidden, ids, weights)
@@ -199,7 +200,8 @@ def test_every_experts_class_matches_eager_or_is_refused(family, cls_name):
 def test_registering_again_rebuilds_each_layer_kernel():
     module = _tiny_experts("mixtral", "MixtralExperts")
     module.config._experts_implementation = "moekit-again"
-    hidden, ids, weights = torch.randn(8, 64), torch.tensor([[0, 1], [2, 3]] * 4), torch.rand(8, 2)
+    hidden, ids = torch.randn(8, 64, device=DEVICE), torch.tensor([[0, 1], [2, 3]] * 4, device=DEVICE)
+    weights = torch.rand(8, 2, device=DEVICE)
     for C in (4, 2):
         moekit_hf.register(chunk_size=C, name="moekit-again")
         with torch.no_grad():
@@ -234,7 +236,8 @@ def test_fp8_experts_are_refused_and_training_warns():
     module.config._experts_implementation = "moekit"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out = module(torch.randn(4, 64), torch.tensor([[0, 1]] * 4), torch.rand(4, 2))
+        out = module(torch.randn(4, 64, device=DEVICE), torch.tensor([[0, 1]] * 4, device=DEVICE),
+                     torch.rand(4, 2, device=DEVICE))
     assert not out.requires_grad
     assert any("inference-only" in str(w.message) for w in caught)
 
