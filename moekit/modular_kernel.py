@@ -29,19 +29,8 @@ it describes their rows. ``guard=False`` runs as upstream did, so the failures a
 
 Batched-format experts take no chunks (their slabs are per expert, not per token): one call.
 
-A second chunk plan, ``chunk_by="rows"`` (moekit's own), cuts along the other axis::
-
-      layout = moe_align_block_size(ids, 128)               # once: (token, slot) rows sorted by
-                                                             # expert, each expert padded to 128
-      for (s, e) in row_ranges(layout, R):                   # R sorted rows per chunk
-          shapes = experts.row_workspace_shapes(e - s)       # per chunk, bounded by R
-          meta = count_expert_num_tokens(ids of rows [s, e)) # the chunk's own counts
-          experts.apply(rows [s, e) -> output[pairs of those rows])
-
-Each chunk holds a contiguous run of experts, so every expert's weights are read about once
-(twice for an expert cut by a boundary), while each token chunk reads again the weights of
-every expert it touches. Every (token, slot) row lives in exactly one chunk and writes its own
-row of the ``[M, topk, K]`` output, which finalize weights and sums: deterministic.
+A second chunk plan, ``chunk_by="rows"`` (moekit's own), cuts the expert-sorted rows instead of
+the tokens: see :mod:`moekit.row_plan`.
 """
 
 from __future__ import annotations
@@ -49,7 +38,7 @@ from __future__ import annotations
 import torch
 
 from moekit.chunking import ChunkRange, chunk_ranges, slice_rows, slice_scales, validate_chunk_size
-from moekit.errors import ChunkSizeError, FormatMismatchError, InvalidInputError, QuantizationError, WorkspaceShapeError
+from moekit.errors import FormatMismatchError, InvalidInputError, QuantizationError, WorkspaceShapeError
 from moekit.experts.base import Experts
 from moekit.policies import (
     METADATA_POLICIES,
@@ -60,20 +49,13 @@ from moekit.policies import (
     chunk_metadata,
 )
 from moekit.prepare_finalize.base import PrepareFinalize
+from moekit.row_plan import check_row_plan, expert_bytes, run_row_chunks
 from moekit.trace import ChunkRecord, Trace
 from moekit.types import ActivationFormat, ExpertPlacement, ExpertsCall, MoEWeights, Prepared, ProblemSize
 from moekit.validate import check_id_range, check_moe_inputs, check_placement
 from moekit.workspace import WorkspacePool
 
 CHUNK_BY = ("tokens", "rows")
-ROW_BLOCK = 128  # rows per block of the sorted layout of chunk_by="rows": DeepGEMM's m-alignment
-
-
-def _expert_bytes(weights: MoEWeights) -> int:
-    """Bytes of one expert's w1 and w2 (and their block scales): what a chunk reads per expert it touches."""
-    total = sum(t[0].numel() * t.element_size() for t in (weights.w1, weights.w2) if t.shape[0])
-    scales = sum(t[0].numel() * 4 for t in (weights.w1_scale, weights.w2_scale) if t is not None and t.shape[0])
-    return total + scales
 
 
 class ModularKernel:
@@ -135,7 +117,7 @@ class ModularKernel:
         self.chunk_by = check_policy(chunk_by, CHUNK_BY, "chunk_by")
         self.workspace_policy = check_policy(workspace_policy, WORKSPACE_POLICIES, "workspace_policy")
         if self.chunk_by == "rows":
-            self._check_row_plan(experts)
+            check_row_plan(self.chunk_size, experts, self.workspace_policy)
         self.metadata_policy = check_policy(metadata_policy, METADATA_POLICIES, "metadata_policy")
         self.guard = guard
         self.trace_counts = trace_counts
@@ -148,20 +130,6 @@ class ModularKernel:
             f"chunk_by={self.chunk_by!r}, workspace_policy={self.workspace_policy!r}, "
             f"metadata_policy={self.metadata_policy!r})"
         )
-
-    def _check_row_plan(self, experts: Experts) -> None:
-        if self.chunk_size is None or self.chunk_size % ROW_BLOCK:
-            raise ChunkSizeError(
-                f"chunk_by='rows' needs chunk_size = sorted rows per chunk, a multiple of {ROW_BLOCK} (the "
-                f"layout's block), got {self.chunk_size}"
-            )
-        if not experts.supports_row_chunks:
-            raise InvalidInputError(f"{experts.name} does not support chunks of sorted rows (chunk_by='rows')")
-        if self.workspace_policy != "per_chunk":
-            raise InvalidInputError(
-                f"chunk_by='rows' declares workspaces per chunk; workspace_policy must be 'per_chunk', "
-                f"got {self.workspace_policy!r}"
-            )
 
     # ----------------------------------------------------------------------------------------
     def forward(
@@ -212,7 +180,7 @@ class ModularKernel:
             if self.experts.activation_format is ActivationFormat.BATCHED:
                 fused_out = self._run_batched(prepared, weights, placement, out_dtype, pool, trace)
             elif self.chunk_by == "rows":
-                fused_out = self._run_row_chunks(prepared, weights, placement, out_dtype, a2_scale, pool, trace)
+                fused_out = run_row_chunks(self, prepared, weights, placement, out_dtype, a2_scale, pool, trace)
             else:
                 fused_out = self._run_chunks(prepared, weights, placement, out_dtype, a2_scale, pool, trace)
             output = torch.empty((M, K), dtype=hidden.dtype, device=hidden.device)
@@ -294,7 +262,7 @@ class ModularKernel:
                 guard=self.guard,
             )  # fmt: skip
             record = ChunkRecord(r.index, r.start, r.end, experts.backend_for(sub), given, tuple(out.shape),
-                                 counts, needed=own, completed=False, expert_bytes=_expert_bytes(weights))  # fmt: skip
+                                 counts, needed=own, completed=False, expert_bytes=expert_bytes(weights))  # fmt: skip
             trace.chunks.append(record)
             record.backend = experts.apply(call)
             record.completed, record.note = True, experts.why(sub)
@@ -327,46 +295,6 @@ class ModularKernel:
             "must declare the same output layout, with dim 0 proportional to M (the second half of the "
             "PR #20392 fix). (moekit's guard; upstream asserted equal shapes after the fix.)"
         )
-
-    def _run_row_chunks(self, prepared, weights, placement, out_dtype, a2_scale, pool, trace) -> torch.Tensor:
-        """Chunks of expert-sorted rows: one layout for the batch, R rows per chunk."""
-        from moekit.kernels.align import moe_align_block_size
-        from moekit.kernels.fused_moe import RowChunk
-
-        experts, act = self.experts, prepared.a1q.dtype
-        problem = self._rows_problem(prepared, weights, placement)
-        trace.expert_rows = problem.M
-        ids = prepared.topk_ids
-        layout = moe_align_block_size(ids, ROW_BLOCK, placement.global_num_experts, placement.expert_map,
-                                      num_local_experts=placement.num_local_experts, keep_empty=True)  # fmt: skip
-        whole = experts.row_workspace_shapes(self.chunk_size, problem, act_dtype=act)
-        fused_out = torch.empty(whole.output, dtype=out_dtype, device=prepared.a1q.device)
-        # The layout's length is a bound from sizes alone (no sync); chunks past its used rows
-        # find no rows and return at once, on the device.
-        total = layout.sorted_token_ids.numel() if ids.numel() else 0
-        padded_ids = torch.cat([ids.reshape(-1), ids.new_full((1,), -1)])  # a padding row's pair has no expert
-        expert_bytes, R = _expert_bytes(weights), self.chunk_size
-        want_counts = prepared.tokens_meta is not None or self.trace_counts
-        for r in [ChunkRange(i, s, min(s + R, total)) for i, s in enumerate(range(0, total, R))]:
-            chunk_ids = padded_ids[layout.sorted_token_ids[r.start : r.end]]
-            counts = self._count(chunk_ids, placement) if want_counts else None
-            meta = chunk_metadata(self.metadata_policy, prepared.tokens_meta, counts, single=False)
-            shapes = experts.row_workspace_shapes(r.size, problem, act_dtype=act)
-            buffers = pool.take(shapes)
-            call = ExpertsCall(
-                output=fused_out, hidden=prepared.a1q, hidden_scale=prepared.a1q_scale, topk_ids=ids, weights=weights,
-                workspace13=buffers.workspace13, workspace2=buffers.workspace2, problem=problem, shapes=shapes,
-                placement=placement, tokens_meta=meta, a2_scale=a2_scale, guard=self.guard, layout=layout,
-                rows=RowChunk(r.start, r.end),
-            )  # fmt: skip
-            backend = experts.backend_for_rows(r.size, problem)
-            record = ChunkRecord(r.index, r.start, r.end, backend, shapes, tuple(fused_out.shape), counts,
-                                 completed=False, expert_bytes=expert_bytes)  # fmt: skip
-            trace.chunks.append(record)
-            record.backend = experts.apply(call)
-            record.completed, record.note = True, experts.why(problem)
-        trace.peak_workspace_bytes = pool.peak_bytes
-        return fused_out
 
     def _run_batched(self, prepared, weights, placement, out_dtype, pool, trace) -> torch.Tensor:
         """Batched format: one call over every slab (no token dimension to chunk)."""

@@ -35,14 +35,8 @@ from moekit.backends import deep_gemm as dg
 from moekit.errors import BackendUnavailableError, InvalidInputError, QuantizationError, StaleMetadataError
 from moekit.experts.base import Experts, carve
 from moekit.kernels.contiguous_gemm import GemmConfig, contiguous_gemm, default_config
-from moekit.kernels.permute import (
-    ALIGN_M,
-    ContiguousLayout,
-    gather_positions,
-    permute_to_contiguous,
-    scatter_positions,
-    unpermute_from_contiguous,
-)
+from moekit.kernels.permute import ALIGN_M, ContiguousLayout, permute_to_contiguous, unpermute_from_contiguous
+from moekit.kernels.positions import gather_positions, scatter_positions
 from moekit.quant import FP8, FP8_GROUP
 from moekit.types import ExpertsCall, ExpertTokensMetadata, MoEWeights, ProblemSize, QuantScheme, WorkspaceShapes
 

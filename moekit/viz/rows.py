@@ -11,7 +11,7 @@ import torch
 
 from moekit.viz._figure import axes_or_new, colors, integer_ticks, to_numpy
 
-BLOCK = 128  # the layout's block (moekit.modular_kernel.ROW_BLOCK)
+BLOCK = 128  # the layout's block (moekit.row_plan.ROW_BLOCK)
 
 
 def expert_segments(counts: torch.Tensor, *, block: int = BLOCK) -> torch.Tensor:

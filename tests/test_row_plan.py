@@ -15,9 +15,10 @@ import torch
 from moekit.errors import ChunkSizeError, InvalidInputError, QuantizationError
 from moekit.experts import DeepGemmExperts, TritonExperts, TritonOrDeepGemmExperts
 from moekit.experts.grouped_mm import GroupedMMExperts
-from moekit.modular_kernel import ROW_BLOCK, ModularKernel
+from moekit.modular_kernel import ModularKernel
 from moekit.prepare_finalize import NoEPPrepareFinalize
 from moekit.reference import count_reference, local_expert_ids
+from moekit.row_plan import ROW_BLOCK
 from moekit.testing import assert_close, expect_raises, make_problem
 from moekit.types import QuantScheme
 
