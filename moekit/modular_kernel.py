@@ -180,7 +180,9 @@ class ModularKernel:
             if self.experts.activation_format is ActivationFormat.BATCHED:
                 fused_out = self._run_batched(prepared, weights, placement, out_dtype, pool, trace)
             elif self.chunk_by == "rows":
-                fused_out = run_row_chunks(self, prepared, weights, placement, out_dtype, a2_scale, pool, trace)
+                problem = self._rows_problem(prepared, weights, placement)
+                fused_out = run_row_chunks(self, problem, prepared, weights, placement, out_dtype, a2_scale, pool,
+                                           trace)  # fmt: skip
             else:
                 fused_out = self._run_chunks(prepared, weights, placement, out_dtype, a2_scale, pool, trace)
             output = torch.empty((M, K), dtype=hidden.dtype, device=hidden.device)

@@ -53,13 +53,14 @@ def check_row_plan(chunk_size, experts, workspace_policy: str) -> None:
         )
 
 
-def run_row_chunks(kernel, prepared, weights, placement, out_dtype, a2_scale, pool, trace) -> torch.Tensor:
-    """The chunk loop of ``kernel`` (a ModularKernel) over R sorted rows at a time."""
+def run_row_chunks(kernel, problem, prepared, weights, placement, out_dtype, a2_scale, pool, trace) -> torch.Tensor:
+    """The chunk loop of ``kernel`` (a ModularKernel) over R sorted rows at a time; ``problem``
+    is the sizes the experts see (the rows after prepare)."""
     from moekit.kernels.align import moe_align_block_size
+    from moekit.kernels.count import count_expert_num_tokens
     from moekit.kernels.fused_moe import RowChunk
 
     experts, act = kernel.experts, prepared.a1q.dtype
-    problem = kernel._rows_problem(prepared, weights, placement)
     trace.expert_rows = problem.M
     ids = prepared.topk_ids
     layout = moe_align_block_size(ids, ROW_BLOCK, placement.global_num_experts, placement.expert_map,
@@ -74,7 +75,9 @@ def run_row_chunks(kernel, prepared, weights, placement, out_dtype, a2_scale, po
     want_counts = prepared.tokens_meta is not None or kernel.trace_counts
     for r in [ChunkRange(i, s, min(s + R, total)) for i, s in enumerate(range(0, total, R))]:
         chunk_ids = padded_ids[layout.sorted_token_ids[r.start : r.end]]
-        counts = kernel._count(chunk_ids, placement) if want_counts else None
+        counts = None
+        if want_counts:
+            counts = count_expert_num_tokens(chunk_ids, placement.num_local_experts, placement.expert_map)
         meta = chunk_metadata(kernel.metadata_policy, prepared.tokens_meta, counts, single=False)
         shapes = experts.row_workspace_shapes(r.size, problem, act_dtype=act)
         buffers = pool.take(shapes)

@@ -49,7 +49,7 @@ def check_module(module: torch.nn.Module, *, name: str | None = None) -> None:
     gate_fn = getattr(type(module), "_apply_gate", None)
     if gate_fn is not None and gate_fn.__module__ != "transformers.integrations.moe":  # not the default
         reasons.append(f"it has its own gating ({type(module).__name__}._apply_gate, e.g. a clamped SwiGLU)")
-    elif gated and not _is_silu(act):
+    elif gated and not is_silu(act):
         reasons.append(f"its activation is {act_name}, not SiLU")
     if not reasons:
         reasons += _weight_problems(module.gate_up_proj, getattr(module, "down_proj", None))
@@ -68,7 +68,7 @@ def is_experts(module: torch.nn.Module) -> bool:
     return all(hasattr(module, a) for a in ("has_gate", "has_bias", "is_transposed", "is_concatenated"))
 
 
-def _is_silu(act) -> bool:
+def is_silu(act) -> bool:
     if not callable(act):
         return False
     probe = torch.linspace(-8.0, 8.0, 65)

@@ -37,7 +37,7 @@ def check_fp8_module(module: torch.nn.Module, *, name: str | None = None) -> Non
     """Raise UnsupportedModelError unless moekit computes exactly what ``module`` computes:
     gated SiLU experts, no biases, fp8 e4m3 weights with float32 128 x 128 block scales, dynamic
     1 x 128 activation scales, and H and I multiples of 128 (moekit's fp8 kernels' tiles)."""
-    from moekit.integrations.hf_checks import _is_silu
+    from moekit.integrations.hf_checks import is_silu
 
     reasons = []
     block = tuple(module.block_size) if getattr(module, "block_size", None) is not None else None
@@ -51,7 +51,7 @@ def check_fp8_module(module: torch.nn.Module, *, name: str | None = None) -> Non
         reasons.append("its experts add biases")
     if getattr(module, "swiglu_alpha", None) is not None or getattr(module, "limit", None) is not None:
         reasons.append("it clamps or scales its SwiGLU (swiglu_alpha / swiglu_limit)")
-    elif not _is_silu(getattr(module, "act_fn", None)):
+    elif not is_silu(getattr(module, "act_fn", None)):
         reasons.append(f"its activation is {type(getattr(module, 'act_fn', None)).__name__}, not SiLU")
     if not reasons:
         reasons += _fp8_weight_problems(module)

@@ -20,7 +20,7 @@ def fail(message: str):
     raise ExerciseFailed(message)
 
 
-def _ids(M, topk, E, *, seed, dtype=torch.int32, empty_every=None):
+def random_ids(M, topk, E, *, seed, dtype=torch.int32, empty_every=None):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, max(E, 1), (M, topk), generator=g).to(dtype)
     if empty_every:
@@ -49,7 +49,7 @@ def check_chunk_plan(chunk_plan, chunk_inputs) -> int:
     M, K = 130, 16
     hidden = torch.randn(M, K, generator=g)
     for dtype in (torch.int32, torch.int64):
-        ids = _ids(M, 2, 8, seed=2, dtype=dtype)
+        ids = random_ids(M, 2, 8, seed=2, dtype=dtype)
         for kind, scale in (("per-token", torch.rand(M, 1, generator=g)), ("per-tensor", torch.rand(1, generator=g)),
                             ("no", None)):  # fmt: skip
             for s, e in ((0, 128), (128, 130), (0, 130)):
@@ -124,7 +124,7 @@ def check_recount(chunk_counts) -> int:
     cases = 0
     for M, E, topk, ep in ((37, 8, 2, 1), (130, 16, 4, 2), (9, 1, 1, 1), (20, 4, 4, 2), (64, 6, 2, 3)):
         for dtype in (torch.int32, torch.int64):
-            ids = _ids(M, topk, E, seed=M + E, dtype=dtype, empty_every=3)
+            ids = random_ids(M, topk, E, seed=M + E, dtype=dtype, empty_every=3)
             E_local = E // ep
             for rank in range(ep):
                 emap = contiguous_expert_map(E, ep, rank, device="cpu") if ep > 1 else None
@@ -135,8 +135,8 @@ def check_recount(chunk_counts) -> int:
                         fail(f"chunk_counts(rows [{s}, {e}) of {M}x{topk} ids, E_local={E_local}, "
                              f"{'a map' if emap is not None else 'no map'}) gave {got}; expected {want}")  # fmt: skip
                     other = ids.clone()
-                    other[:s] = _ids(s, topk, E, seed=99, dtype=dtype)
-                    other[e:] = _ids(M - e, topk, E, seed=98, dtype=dtype)
+                    other[:s] = random_ids(s, topk, E, seed=99, dtype=dtype)
+                    other[e:] = random_ids(M - e, topk, E, seed=98, dtype=dtype)
                     again = torch.as_tensor(chunk_counts(other, s, e, E_local, emap)).long().tolist()
                     if again != got:
                         fail(f"chunk_counts(..., {s}, {e}) changed when rows outside [{s}, {e}) changed: count "

@@ -16,7 +16,7 @@ import torch
 import triton
 
 from moekit.device import interpreting
-from moekit.workbook.checks import _ids, fail
+from moekit.workbook.checks import fail, random_ids
 from moekit.workbook.probes import count_loads
 
 MARGIN = 64  # zeros around the ids and the map
@@ -36,7 +36,7 @@ def _count_cases():
     i32, i64 = torch.int32, torch.int64
     for M, topk, E, ep, dtype in ((50, 2, 8, 1, i32), (33, 4, 16, 2, i64), (9, 1, 1, 1, i32), (40, 3, 3, 1, i64),
                                   (0, 2, 4, 1, i32), (70, 2, 8, 4, i32)):  # fmt: skip
-        ids = _ids(M, topk, E, seed=M * 7 + E, dtype=dtype, empty_every=4)
+        ids = random_ids(M, topk, E, seed=M * 7 + E, dtype=dtype, empty_every=4)
         for rank in (0, ep - 1):
             emap = contiguous_expert_map(E, ep, rank, device="cpu").to(dtype) if ep > 1 else None
             name = f"{M}x{topk} {str(dtype)[6:]} ids, E={E}, " + (
@@ -106,7 +106,7 @@ def check_align_kernel(kernel) -> int:
 
     device, cases = get_device(), 0
     for M, topk, E, block_m in ((9, 2, 3, 4), (50, 2, 8, 16), (1, 1, 1, 16), (30, 4, 5, 8), (0, 2, 4, 4)):
-        ids = _ids(M, topk, E, seed=M + E, empty_every=3).to(device)
+        ids = random_ids(M, topk, E, seed=M + E, empty_every=3).to(device)
         numel = ids.numel()
         bound = numel + E * (block_m - 1)
         sorted_ids = torch.full((max(bound, 1),), numel, dtype=torch.int32, device=device)
