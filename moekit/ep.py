@@ -56,6 +56,8 @@ class EPConfig:
     skew: float = 1.0
     empty_every: int | None = None
     seed: int = 0
+    dispatch: str = "exact"  # All2AllPrepareFinalize's mode; "capacity" sizes its blocks by max(Ms)
+    chunk_by: str = "tokens"
 
 
 @dataclass
@@ -102,10 +104,13 @@ def run_rank(rank: int, world_size: int, config: EPConfig, *, gather: bool = Tru
     p = global_problem(config)
     start, end = sum(config.Ms[:rank]), sum(config.Ms[: rank + 1])
     local = p.shard(rank, world_size)
+    cap = max(max(config.Ms), 1)
+    capacity = dict(mode="capacity", max_tokens_per_rank=cap) if config.dispatch == "capacity" else {}
     kernel = ModularKernel(
-        All2AllPrepareFinalize(),
+        All2AllPrepareFinalize(**capacity),
         experts_class(config.experts)(quant=config.quant),
         chunk_size=config.chunk_size,
+        chunk_by=config.chunk_by,
         metadata_policy=config.metadata_policy,
     )
     mine = slice(start, end)

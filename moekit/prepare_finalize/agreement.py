@@ -67,7 +67,8 @@ class Agreement:
         self._hash = 0
         self._placements: dict[tuple[int, ...], Placement] = {}
 
-    def _local_hash(self, placement: ExpertPlacement) -> int:
+    def local_hash(self, placement: ExpertPlacement) -> int:
+        """A hash of this rank's expert map (recomputed only when the map tensor changes)."""
         emap = placement.expert_map
         seen = None if emap is None else (emap.data_ptr(), emap._version, emap.numel(), str(emap.device))
         if seen != self._hash_seen or emap is None:
@@ -78,7 +79,7 @@ class Agreement:
         """Exchange headers, raise on any disagreement, return the agreed placement."""
         rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
         mine = [_VERSION, _DTYPES.get(hidden.dtype, 0), hidden.shape[1], placement.global_num_experts,
-                placement.num_local_experts, topk, _QUANT[quant], self._local_hash(placement)]  # fmt: skip
+                placement.num_local_experts, topk, _QUANT[quant], self.local_hash(placement)]  # fmt: skip
         headers = _gather(torch.tensor(mine, dtype=torch.int64, device=hidden.device), world, self.group)
         rows = headers.cpu().tolist()  # the host sync of this check
         for i, field in enumerate(_FIELDS[:4] + _FIELDS[5:7]):

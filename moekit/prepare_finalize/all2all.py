@@ -35,7 +35,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moekit.errors import DistributedError, InvalidIdsError, InvalidInputError
+from moekit.errors import CapacityError, DistributedError, InvalidIdsError, InvalidInputError
+from moekit.prepare_finalize import capacity
 from moekit.prepare_finalize.agreement import Agreement
 from moekit.prepare_finalize.base import PrepareFinalize, quantize_activations, weight_and_reduce
 from moekit.types import ActivationFormat, ExpertPlacement, ExpertTokensMetadata, Prepared, QuantScheme
@@ -60,6 +61,10 @@ class DispatchHandle:
     recv_counts: torch.Tensor
 
 
+MODES = ("exact", "capacity")
+CHECKS = ("sync", "deferred")
+
+
 class All2AllPrepareFinalize(PrepareFinalize):
     """Dispatch (token, slot) pairs to the rank that owns their expert; combine them back.
 
@@ -69,6 +74,12 @@ class All2AllPrepareFinalize(PrepareFinalize):
         timeout_s: wait at most this long for each exchange, then raise DistributedError. None
             relies on the group's own timeout (``init_process_group(timeout=...)``). With NCCL a
             timeout makes every wait a host sync; leave it None when timing.
+        mode: ``"exact"`` (split sizes first, read on the host, then exactly the rows: one host
+            sync per dispatch) or ``"capacity"`` (fixed blocks of ``max_tokens_per_rank`` rows per
+            rank pair, no host sync after the first call: see :mod:`moekit.prepare_finalize.capacity`).
+        max_tokens_per_rank: capacity mode only: the largest M any rank passes (the same on all).
+        check: capacity mode only: ``"sync"`` reads the error flags once per dispatch (before the
+            experts run); ``"deferred"`` never does, and :meth:`raise_if_failed` raises later.
 
     The caller passes ``expert_map = contiguous_expert_map(E_global, W, rank)`` (and the local
     ``[E_local, ...]`` weights) to ``ModularKernel.forward``; the received ``topk_ids`` are
@@ -79,17 +90,28 @@ class All2AllPrepareFinalize(PrepareFinalize):
     collective = True
     dispatches = True
 
-    def __init__(self, *, group=None, timeout_s: float | None = None):
+    def __init__(self, *, group=None, timeout_s: float | None = None, mode: str = "exact",
+                 max_tokens_per_rank: int | None = None, check: str = "sync"):  # fmt: skip
         if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float)
                                       or not timeout_s > 0):  # fmt: skip
             raise InvalidInputError(f"timeout_s must be a number > 0 (seconds) or None, got {timeout_s!r}")
+        if mode not in MODES or check not in CHECKS:
+            raise InvalidInputError(f"mode must be one of {MODES} and check one of {CHECKS}, got {mode!r}, {check!r}")
+        C = max_tokens_per_rank
+        if mode == "capacity" and (isinstance(C, bool) or not isinstance(C, int) or C <= 0):
+            raise InvalidInputError(f"mode='capacity' needs max_tokens_per_rank, an int > 0, got {C!r}")
+        if mode == "exact" and C is not None:
+            raise InvalidInputError("max_tokens_per_rank sizes mode='capacity' blocks; mode='exact' takes none")
         self.group = group
         self.timeout_s = timeout_s
-        self.last_handle: DispatchHandle | None = None  # the latest prepare's, for inspection
+        self.mode, self.max_tokens_per_rank, self.check = mode, C, check
+        self.last_handle: DispatchHandle | capacity.CapacityHandle | None = None  # the latest prepare's, for inspection
         self._agreement = Agreement(group)
+        self._agreed: tuple | None = None  # (key, placement) of capacity mode's last agreement
 
     def __repr__(self) -> str:
-        return f"All2AllPrepareFinalize(timeout_s={self.timeout_s})"
+        cap = f", max_tokens_per_rank={self.max_tokens_per_rank}" if self.mode == "capacity" else ""
+        return f"All2AllPrepareFinalize(mode={self.mode!r}{cap}, timeout_s={self.timeout_s})"
 
     # ----------------------------------------------------------------------------------------
     def _world(self) -> tuple[int, int]:
@@ -128,6 +150,8 @@ class All2AllPrepareFinalize(PrepareFinalize):
         placement: ExpertPlacement,
     ) -> Prepared:
         rank, world = self._world()
+        if self.mode == "capacity":
+            return self._prepare_capacity(hidden, topk_weights, topk_ids, quant, placement, world)
         device = hidden.device
         M, topk = topk_ids.shape
         K = hidden.shape[1]
@@ -190,7 +214,72 @@ class All2AllPrepareFinalize(PrepareFinalize):
             handle=handle,
         )
 
+    # ----------------------------------------------------------------------------------------
+    def _agree_capacity(self, hidden, topk, quant, placement, world):
+        """The agreement (and that every rank has the same C), once per layer key: later calls
+        with the same key exchange nothing, so they can run inside a CUDA graph."""
+        key = (hidden.dtype, hidden.shape[1], placement.global_num_experts, placement.num_local_experts, topk,
+               quant, self._agreement.local_hash(placement), self.max_tokens_per_rank)  # fmt: skip
+        if self._agreed is not None and self._agreed[0] == key:
+            return self._agreed[1]
+        agreed = self._agreement.check(hidden, topk, quant, placement)
+        caps = [torch.empty(1, dtype=torch.int64, device=hidden.device) for _ in range(world)]
+        dist.all_gather(caps, torch.tensor([self.max_tokens_per_rank], device=hidden.device), group=self.group)
+        caps = [int(c) for c in caps]
+        if len(set(caps)) > 1:
+            raise InvalidInputError(f"every rank must use the same max_tokens_per_rank, got {caps} by rank")
+        self._agreed = (key, agreed)
+        return agreed
+
+    def _prepare_capacity(self, hidden, topk_weights, topk_ids, quant, placement, world) -> Prepared:
+        C, (M, topk) = self.max_tokens_per_rank, topk_ids.shape
+        agreed = self._agree_capacity(hidden, topk, quant, placement, world)
+        a1q, a1q_scale = quantize_activations(hidden, quant)
+        wire = a1q.view(torch.uint8) if a1q.dtype == torch.float8_e4m3fn else a1q  # fp8 travels as bytes
+        rows, scales, ids, weights, flags, slot = capacity.pack(wire, a1q_scale, topk_ids, topk_weights, placement,
+                                                                agreed, C, world)  # fmt: skip
+        recv = [torch.empty_like(t) for t in (rows, ids, weights, flags)]
+        pending = [self._exchange(recv[0], rows, None, None, "activation rows"),
+                   self._exchange(recv[1], ids, None, None, "expert ids"),
+                   self._exchange(recv[2], weights, None, None, "router weights"),
+                   self._exchange(recv[3], flags, None, None, "capacity flags")]  # fmt: skip
+        recv_scales = None
+        if scales is not None:
+            recv_scales = torch.empty_like(scales)
+            pending.append(self._exchange(recv_scales, scales, None, None, "scales"))
+        self._wait(*pending)
+        if self.check == "sync":
+            capacity.raise_for(recv[3], C, placement.global_num_experts)  # the one read of this mode
+        from moekit.kernels.count import count_expert_num_tokens
+
+        counts = count_expert_num_tokens(recv[1], placement.num_local_experts, placement.expert_map)
+        handle = capacity.CapacityHandle(slot.view(world, M), M, C, recv[3], recv[1], recv[2], placement, M > C)
+        self.last_handle = handle
+        return Prepared(a1q=recv[0].view(a1q.dtype), a1q_scale=recv_scales, tokens_meta=ExpertTokensMetadata(counts),
+                        topk_ids=recv[1], topk_weights=recv[2], handle=handle)  # fmt: skip
+
+    def _finalize_capacity(self, fused_out, prepared, output) -> torch.Tensor:
+        h: capacity.CapacityHandle = prepared.handle
+        R, topk, K = h.recv_ids.shape[0], h.recv_ids.shape[1], output.shape[1]
+        if fused_out.numel() != R * topk * K or tuple(output.shape) != (h.M, K):
+            raise InvalidInputError(f"fused_out must be [R={R}, topk={topk}, K] and output [M={h.M}, K={K}], got "
+                                    f"{tuple(fused_out.shape)} and {tuple(output.shape)}")  # fmt: skip
+        partial = (fused_out.reshape(R, topk, K).float() * h.recv_weights.unsqueeze(2)).sum(1)
+        back = torch.empty_like(partial)
+        self._wait(self._exchange(back, partial, None, None, "partial sums (combine)"))
+        if h.local_overflow:  # every collective joined; now the error, before the output is written
+            raise CapacityError(f"this rank passed {h.M} tokens, more than max_tokens_per_rank={h.C}")
+        return capacity.unpack(back, h, output)
+
+    def raise_if_failed(self) -> None:
+        """After a ``check="deferred"`` step: raise what the last dispatch's flags say (a host sync)."""
+        h = self.last_handle
+        if isinstance(h, capacity.CapacityHandle):
+            capacity.raise_for(h.flags, h.C, h.placement.global_num_experts)
+
     def finalize(self, fused_out: torch.Tensor, prepared: Prepared, *, output: torch.Tensor) -> torch.Tensor:
+        if isinstance(prepared.handle, capacity.CapacityHandle):
+            return self._finalize_capacity(fused_out, prepared, output)
         h: DispatchHandle = prepared.handle
         if not isinstance(h, DispatchHandle):
             raise InvalidInputError("finalize needs the Prepared that this stage's prepare returned")
