@@ -264,7 +264,8 @@ class All2AllPrepareFinalize(PrepareFinalize):
         if fused_out.numel() != R * topk * K or tuple(output.shape) != (h.M, K):
             raise InvalidInputError(f"fused_out must be [R={R}, topk={topk}, K] and output [M={h.M}, K={K}], got "
                                     f"{tuple(fused_out.shape)} and {tuple(output.shape)}")  # fmt: skip
-        partial = (fused_out.reshape(R, topk, K).float() * h.recv_weights.unsqueeze(2)).sum(1)
+        partial = torch.empty((R, K), dtype=torch.float32, device=output.device)  # fp32 on the wire
+        weight_and_reduce(fused_out.reshape(R, topk, K), h.recv_weights, partial)
         back = torch.empty_like(partial)
         self._wait(self._exchange(back, partial, None, None, "partial sums (combine)"))
         if h.local_overflow:  # every collective joined; now the error, before the output is written

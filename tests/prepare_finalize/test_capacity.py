@@ -8,6 +8,8 @@ and a check that after the first call the stage reads nothing back from the tens
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -203,7 +205,8 @@ def captured_layer(rank: int, world: int) -> list[str]:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = step()
-    other = make_problem(64 * world, E=8, topk=2, K=128, N=256, dtype=torch.bfloat16, seed=4, device="cuda")
+    fresh = make_problem(64 * world, E=8, topk=2, K=128, N=256, dtype=torch.bfloat16, seed=4, device="cuda")
+    other = dataclasses.replace(p, hidden=fresh.hidden, topk_ids=fresh.topk_ids, topk_weights=fresh.topk_weights)
     hidden.copy_(other.hidden[mine]), ids.copy_(other.topk_ids[mine]), weights.copy_(other.topk_weights[mine])
     graph.replay()
     torch.cuda.synchronize()
