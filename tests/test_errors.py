@@ -57,5 +57,11 @@ def test_all_lists_every_error_defined_in_the_module():
         if value.__module__ == errors.__name__ and issubclass(value, errors.MoekitError)
     }
     assert sorted(errors.__all__) == sorted(defined)
-    assert set(ARGUMENT_ERRORS) | set(RUNTIME_ERRORS) | {"MoekitError", "FormatMismatchError",
-                                                        "OptionalDependencyError"} == defined  # fmt: skip
+    others = {"MoekitError", "FormatMismatchError", "OptionalDependencyError", "ExerciseFailed"}
+    assert set(ARGUMENT_ERRORS) | set(RUNTIME_ERRORS) | others == defined
+
+
+def test_a_failed_exercise_is_an_assertion_error():
+    assert issubclass(errors.ExerciseFailed, AssertionError)
+    with pytest.raises(AssertionError, match="expected"):
+        raise errors.ExerciseFailed("chunk_plan(M=1, C=3) gave []; expected [(0, 1)]")
