@@ -31,7 +31,9 @@ class KernelConfig:
     an expert's weight tiles are reused from L2). All tile sizes are powers of two >= 16.
     ``tma``: load the weight tiles with the tensor-memory accelerator (a host-side descriptor)
     instead of per-thread copies, where the weights allow it (contiguous, 16-byte rows); the
-    gathered activation rows always use per-thread copies.
+    gathered activation rows always use per-thread copies. ``TAIL_M`` (0: off): a block with
+    at most ``TAIL_M`` real rows (an expert's last block, mostly padding) runs a ``TAIL_M``-row
+    tile, so padding costs less of the tensor cores; a power of two >= 16 below ``BLOCK_M``.
     """
 
     BLOCK_M: int
@@ -41,6 +43,7 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 3
     tma: bool = False
+    TAIL_M: int = 0
 
     def __post_init__(self):
         for name, value in self.launch.items():
@@ -50,6 +53,13 @@ class KernelConfig:
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise InvalidInputError(f"KernelConfig.{name} must be a power of two >= 16, got {value}")
+        tail = self.TAIL_M
+        if not isinstance(tail, int) or isinstance(tail, bool) or (
+            tail and (tail < 16 or tail & (tail - 1) or tail >= self.BLOCK_M)
+        ):
+            raise InvalidInputError(
+                f"KernelConfig.TAIL_M must be 0 or a power of two >= 16 below BLOCK_M={self.BLOCK_M}, got {tail!r}"
+            )
         if not isinstance(self.tma, bool):
             raise InvalidInputError(f"KernelConfig.tma must be a bool, got {self.tma!r}")
 

@@ -21,21 +21,18 @@ address instructions); the gathered activation rows always use per-thread async 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moekit.device import interpreting
-from moekit.errors import InvalidInputError, QuantizationError
 from moekit.kernels.activation import clamp_fp8, quantize_fp8_rows, round_for_store
 from moekit.kernels.align import AlignedBlocks
 from moekit.kernels.configs import KernelConfig
+from moekit.kernels.gemm_args import GatedOutput, RowChunk, check_gemm_args
+from moekit.kernels.report import KernelReport, kernel_reports
 from moekit.quant import FP8, FP8_GROUP, FP8_MAX, TINY_SCALE
-
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _weight_descriptor(w: torch.Tensor, config: KernelConfig) -> TensorDescriptor | None:
@@ -45,122 +42,6 @@ def _weight_descriptor(w: torch.Tensor, config: KernelConfig) -> TensorDescripto
     if not w.is_contiguous() or (K * w.element_size()) % 16 or w.data_ptr() % 16 or w.numel() == 0:
         return None
     return TensorDescriptor(w.view(E * N, K), [E * N, K], [K, 1], [config.BLOCK_N, config.BLOCK_K])
-
-
-@dataclass
-class GatedOutput:
-    """GEMM1's fused epilogue: write ``silu(gate) * up`` instead of the raw product.
-
-    ``w`` holds gate rows then up rows (``[E, 2H, K]``) and ``out`` is ``[numel, H]``. When
-    ``out`` is fp8, the activation is also quantized with one scale per 1 x 128 group (BLOCK_N
-    must be 128): dynamic ``amax / 448`` into ``out_scale``, or ``static_scale`` (1 element,
-    or one per ``static_div`` consecutive pairs, e.g. per token with ``static_div = topk``).
-    """
-
-    out_scale: torch.Tensor | None = None
-    static_scale: torch.Tensor | None = None
-    static_div: int = 1
-
-
-@dataclass(frozen=True)
-class RowChunk:
-    """Rows ``[start, end)`` of the sorted layout that one GEMM call computes: a chunk of sorted
-    rows (``ModularKernel(chunk_by="rows")``), instead of every block of the layout.
-
-    ``read`` and ``write`` say how rows are addressed: ``"pair"`` through ``sorted_token_ids``
-    (activations row ``pair // pairs_per_row``, output row ``pair``), or ``"position"``: row r of a
-    contiguous buffer of ``end - start`` rows, the chunk's workspace. GEMM1 of a row chunk reads by
-    pair and writes by position; GEMM2 reads by position and writes by pair.
-    """
-
-    start: int
-    end: int
-    read: str = "pair"
-    write: str = "pair"
-
-    @property
-    def rows(self) -> int:
-        return self.end - self.start
-
-
-def _check_float_pair(a, w) -> bool:
-    fp8 = a.dtype == FP8
-    if fp8 != (w.dtype == FP8):
-        raise QuantizationError(f"a and w must both be fp8 or both not, got {a.dtype} and {w.dtype}")
-    if not fp8 and (a.dtype != w.dtype or a.dtype not in _FLOATS):
-        raise InvalidInputError(f"a and w must share a float dtype (fp32/fp16/bf16), got {a.dtype} and {w.dtype}")
-    return fp8
-
-
-def _check_rows(a, out, blocks, pairs_per_row, config, chunk: RowChunk | None) -> None:
-    """The rows ``out`` and ``a`` must hold: one per pair, or one per position of a row chunk."""
-    M, topk, _ = out.shape
-    out_rows = chunk.rows if chunk is not None and chunk.write == "position" else blocks.numel
-    if M * topk != out_rows:
-        raise InvalidInputError(f"out must hold {out_rows} rows as [M, topk, N] (M*topk), got {tuple(out.shape)}")
-    if M > 1 and topk > 1 and out.stride(0) != topk * out.stride(1):
-        raise InvalidInputError(f"out's pairs must be evenly strided (stride(0) == topk * stride(1)), got {out.stride()}")
-    by_position = chunk is not None and chunk.read == "position"
-    need = chunk.rows if by_position else blocks.numel
-    if not isinstance(pairs_per_row, int) or pairs_per_row <= 0 or a.shape[0] * (1 if by_position else pairs_per_row) < need:
-        what = "positions" if by_position else "pairs"
-        raise InvalidInputError(f"a has {a.shape[0]} rows for {need} {what} at pairs_per_row={pairs_per_row!r}")
-    if not isinstance(config, KernelConfig) or blocks.block_m % config.BLOCK_M or (
-        chunk is None and config.BLOCK_M != blocks.block_m
-    ):
-        raise InvalidInputError(
-            f"config must be a KernelConfig with BLOCK_M={blocks.block_m} (the blocks'; a divisor of it for a "
-            f"row chunk), got {config!r}"
-        )
-    if chunk is not None and (chunk.read not in ("pair", "position") or chunk.write not in ("pair", "position")
-                              or chunk.start % blocks.block_m or chunk.rows % config.BLOCK_M or chunk.rows < 0
-                              or chunk.end > blocks.sorted_token_ids.numel()):  # fmt: skip
-        raise InvalidInputError(
-            f"a row chunk must start on a block of {blocks.block_m} rows and hold whole tiles of {config.BLOCK_M} "
-            f"inside the layout's {blocks.sorted_token_ids.numel()} rows, got {chunk}"
-        )
-
-
-def _check(a, w, out, blocks, pairs_per_row, config, a_scale, w_scale, gated, chunk=None) -> bool:
-    if a.dim() != 2 or w.dim() != 3 or out.dim() != 3:
-        raise InvalidInputError(
-            f"expected a [rows, K], w [E, N, K], out [M, topk, N]; got {tuple(a.shape)}, "
-            f"{tuple(w.shape)}, {tuple(out.shape)}"
-        )
-    E, N, K = w.shape
-    width = N // 2 if gated else N
-    if a.shape[1] != K or out.shape[2] != width:
-        raise InvalidInputError(
-            f"a must be [rows, K={K}] and out [M, topk, {width}], got {tuple(a.shape)} and {tuple(out.shape)}"
-        )
-    _check_rows(a, out, blocks, pairs_per_row, config, chunk)
-    fp8 = _check_float_pair(a, w)
-    if out.dtype not in _FLOATS and not (gated and out.dtype == FP8):
-        raise InvalidInputError(f"out must be fp32/fp16/bf16 (or fp8 with a GatedOutput), got {out.dtype}")
-    if gated and N % 2:
-        raise InvalidInputError(f"a gated GEMM needs gate and up rows (even N), got N={N}")
-    if gated and out.dtype == FP8:
-        if width % FP8_GROUP or config.BLOCK_N != FP8_GROUP:
-            raise QuantizationError(f"fp8 output needs N/2 % 128 == 0 and BLOCK_N == 128, got {width}, {config.BLOCK_N}")
-        s, want = gated.out_scale, (out.shape[0] * out.shape[1], width // FP8_GROUP)
-        if s is None or tuple(s.shape) != want or s.dtype != torch.float32:
-            raise QuantizationError(f"fp8 output needs out_scale float32 {want}, got {None if s is None else s.shape}")
-        st, per_row = gated.static_scale, triton.cdiv(blocks.numel, gated.static_div)
-        if st is not None and (st.dtype != torch.float32 or st.numel() not in (1, per_row)):
-            raise QuantizationError(f"static_scale must be float32, 1 or numel/static_div elements, got {st.shape}")
-    if not fp8:
-        return False
-    want_a, want_w = (a.shape[0], triton.cdiv(K, FP8_GROUP)), (E, triton.cdiv(N, FP8_GROUP), triton.cdiv(K, FP8_GROUP))
-    for name, scale, want in (("a_scale", a_scale, want_a), ("w_scale", w_scale, want_w)):
-        if scale is None or tuple(scale.shape) != want or scale.dtype != torch.float32:
-            got = "None" if scale is None else f"{scale.dtype} {tuple(scale.shape)}"
-            raise QuantizationError(f"fp8 needs {name} float32 {want}, got {got}")
-    if FP8_GROUP % config.BLOCK_K or K % FP8_GROUP or (gated and width % FP8_GROUP):
-        raise QuantizationError(
-            f"fp8 block GEMM needs K (and a gated N/2) % 128 == 0 and BLOCK_K dividing 128, got K={K}, N={N}, "
-            f"BLOCK_K={config.BLOCK_K}"
-        )
-    return True
 
 
 @triton.jit
@@ -187,23 +68,120 @@ def _load(ptrs, mask, EVEN_K: tl.constexpr):
         return tl.load(ptrs, mask=mask, other=0.0)
 
 
+@triton.jit
+def _tile(
+    a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, sorted_ptr, out_scale_ptr, static_ptr, w_desc,
+    row0, pid_n, expert, N, K, numel,
+    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
+    stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk,
+    stride_osm, stride_osg, stride_static, static_div,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PAIRS_PER_ROW: tl.constexpr, EVEN_K: tl.constexpr, IS_FP8: tl.constexpr, FP8_GROUP: tl.constexpr,
+    GATED: tl.constexpr, QUANT_OUT: tl.constexpr, STATIC_OUT: tl.constexpr,
+    W_TMA: tl.constexpr, UPCAST_BF16: tl.constexpr, DOT_IEEE: tl.constexpr, FIX_ROUNDING: tl.constexpr,
+    FP8_MAX: tl.constexpr, TINY: tl.constexpr, READ_BY_POSITION: tl.constexpr, WRITE_BY_POSITION: tl.constexpr,
+):
+    """One BLOCK_M x BLOCK_N output tile: rows [row0, row0 + BLOCK_M) of the layout, all of ``expert``."""
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + offs_m)
+    live = pair < numel
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Padding rows load nothing (masked: zeros, no memory traffic) and columns past N wrap
+    # around: every load is in bounds, and those lanes are never stored (or, written by
+    # position, never read back).
+    if READ_BY_POSITION:
+        row = offs_m.to(tl.int64)
+    else:
+        row = tl.where(live, pair // PAIRS_PER_ROW, 0).to(tl.int64)
+    col = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + row[:, None] * stride_am + offs_k[None, :] * stride_ak
+    w_ptrs = w_ptr + expert * stride_we + col[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    if IS_FP8:
+        a_scale_ptrs = a_scale_ptr + row * stride_asm
+        w_scale_ptrs = w_scale_ptr + expert * stride_wse + (col // FP8_GROUP) * stride_wsn
+        w_up_scale_ptrs = w_scale_ptr + expert * stride_wse + ((col + N) // FP8_GROUP) * stride_wsn
+    # TMA: w viewed as [E * rows, K]; rows past this expert's (last column tile) belong to the
+    # next expert or are zero-filled past the end, and those columns are never stored.
+    w_row = (expert * (2 * N if GATED else N) + pid_n * BLOCK_N).to(tl.int32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if GATED:
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=live[:, None], other=0.0)
+        else:
+            a = tl.load(a_ptrs, mask=live[:, None] & (offs_k[None, :] < K - k * BLOCK_K), other=0.0)
+        w_mask = offs_k[:, None] < K - k * BLOCK_K
+        if IS_FP8:
+            # One 1x128 activation scale per row and one 128x128 weight scale per column block.
+            group = (k * BLOCK_K) // FP8_GROUP
+            a_s = tl.load(a_scale_ptrs + group * stride_ask)
+            w_s = tl.load(w_scale_ptrs + group * stride_wsk)
+        else:
+            a_s = 1.0
+            w_s = 1.0
+        if W_TMA:
+            b = w_desc.load([w_row, k * BLOCK_K]).T
+        else:
+            b = _load(w_ptrs, w_mask, EVEN_K)
+        acc = _mma(acc, a, b, a_s, w_s, IS_FP8, UPCAST_BF16, DOT_IEEE)
+        if GATED:  # the up half: the same rows of a times w rows [N, 2N)
+            if IS_FP8:
+                w_up_s = tl.load(w_up_scale_ptrs + group * stride_wsk)
+            else:
+                w_up_s = 1.0
+            if W_TMA:
+                b_up = w_desc.load([w_row + N, k * BLOCK_K]).T
+            else:
+                b_up = _load(w_ptrs + N * stride_wn, w_mask, EVEN_K)
+            acc_up = _mma(acc_up, a, b_up, a_s, w_up_s, IS_FP8, UPCAST_BF16, DOT_IEEE)
+        a_ptrs += BLOCK_K * stride_ak
+        w_ptrs += BLOCK_K * stride_wk
+
+    # The output's addresses are formed only now: held across the loop they cost registers
+    # (about 30 per thread at 128 x 256) that the pipeline needs.
+    if WRITE_BY_POSITION:
+        dest = offs_m.to(tl.int64)
+        keep = offs_m >= 0
+    else:
+        dest = pair.to(tl.int64)
+        keep = live
+    out_ptrs = out_ptr + dest[:, None] * stride_om + offs_n[None, :] * stride_on
+    out_mask = keep[:, None] & (offs_n[None, :] < N)
+    out_scale_ptrs = out_scale_ptr + dest * stride_osm + pid_n * stride_osg
+    if GATED:  # silu(gate) * up from the fp32 accumulators
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    if QUANT_OUT:  # fp8 with one scale per row of this 128-wide group (as moekit.quant)
+        if STATIC_OUT:
+            scale = tl.load(static_ptr + (tl.where(live, pair, 0) // static_div) * stride_static)
+            acc = clamp_fp8(acc / scale[:, None], FP8_MAX)
+        else:
+            acc, scale = quantize_fp8_rows(acc, FP8_MAX, TINY)
+        tl.store(out_scale_ptrs, scale, mask=keep)
+    if FIX_ROUNDING:
+        acc = round_for_store(acc, out_ptr.dtype.element_ty)
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
 @triton.jit(do_not_specialize=["numel", "num_blocks"])  # they change with M: no recompiles
 def _fused_moe_kernel(
     # Pointers
     a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, sorted_ptr, expert_ids_ptr, post_ptr,
     out_scale_ptr, static_ptr, w_desc,
     # Sizes
-    N, K, numel, pairs_per_row, num_blocks, row_base,
+    N, K, numel, num_blocks, row_base,
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
     stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk,
     stride_osm, stride_osg, stride_static, static_div,
     # Meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, IS_FP8: tl.constexpr, FP8_GROUP: tl.constexpr,
+    PAIRS_PER_ROW: tl.constexpr, EVEN_K: tl.constexpr, IS_FP8: tl.constexpr, FP8_GROUP: tl.constexpr,
     GATED: tl.constexpr, QUANT_OUT: tl.constexpr, STATIC_OUT: tl.constexpr,
     W_TMA: tl.constexpr, UPCAST_BF16: tl.constexpr, DOT_IEEE: tl.constexpr, FIX_ROUNDING: tl.constexpr,
     FP8_MAX: tl.constexpr, TINY: tl.constexpr,
     EXPERT_BLOCK: tl.constexpr, READ_BY_POSITION: tl.constexpr, WRITE_BY_POSITION: tl.constexpr,
+    TAIL_M: tl.constexpr,
 ):
     # N is the output width: with GATED, w has 2N rows (gate rows [0, N), up rows [N, 2N)).
     # GROUP_M row blocks sweep the columns together: neighbouring blocks are usually the same
@@ -245,68 +223,33 @@ def _fused_moe_kernel(
             tl.store(out_scale_ptrs, tl.full([BLOCK_M], TINY, tl.float32), mask=keep)
         return
 
-    # Padding rows read row 0 and columns past N wrap around: every load is in bounds without a
-    # mask, and those lanes are never stored (or, written by position, never read back).
-    if READ_BY_POSITION:
-        row = offs_m.to(tl.int64)
+    # An expert's last block is often mostly padding (at 256 rows per expert and 128-row blocks,
+    # a quarter of all rows): with TAIL_M, a block of at most TAIL_M real rows (always its first
+    # rows) runs a TAIL_M-row tile instead. Both tiles are compiled into this kernel.
+    SHORT_M: tl.constexpr = TAIL_M if TAIL_M > 0 else BLOCK_M
+    short = False
+    if TAIL_M > 0 and not WRITE_BY_POSITION:
+        short = tl.sum(live.to(tl.int32)) <= TAIL_M
+    if short:
+        _tile(
+            a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, sorted_ptr, out_scale_ptr, static_ptr, w_desc,
+            pid_m * BLOCK_M, pid_n, expert, N, K, numel,
+            stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
+            stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk,
+            stride_osm, stride_osg, stride_static, static_div,
+            SHORT_M, BLOCK_N, BLOCK_K, PAIRS_PER_ROW, EVEN_K, IS_FP8, FP8_GROUP, GATED, QUANT_OUT, STATIC_OUT,
+            W_TMA, UPCAST_BF16, DOT_IEEE, FIX_ROUNDING, FP8_MAX, TINY, READ_BY_POSITION, WRITE_BY_POSITION,
+        )
     else:
-        row = tl.where(live, pair // pairs_per_row, 0).to(tl.int64)
-    col = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + row[:, None] * stride_am + offs_k[None, :] * stride_ak
-    w_ptrs = w_ptr + expert * stride_we + col[None, :] * stride_wn + offs_k[:, None] * stride_wk
-    if IS_FP8:
-        a_scale_ptrs = a_scale_ptr + row * stride_asm
-        w_scale_ptrs = w_scale_ptr + expert * stride_wse + (col // FP8_GROUP) * stride_wsn
-        w_up_scale_ptrs = w_scale_ptr + expert * stride_wse + ((col + N) // FP8_GROUP) * stride_wsn
-    # TMA: w viewed as [E * rows, K]; rows past this expert's (last column tile) belong to the
-    # next expert or are zero-filled past the end, and those columns are never stored.
-    w_row = (expert * (2 * N if GATED else N) + pid_n * BLOCK_N).to(tl.int32)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if GATED:
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        a_mask = offs_k[None, :] < K - k * BLOCK_K
-        w_mask = offs_k[:, None] < K - k * BLOCK_K
-        a = _load(a_ptrs, a_mask, EVEN_K)
-        if IS_FP8:
-            # One 1x128 activation scale per row and one 128x128 weight scale per column block.
-            group = (k * BLOCK_K) // FP8_GROUP
-            a_s = tl.load(a_scale_ptrs + group * stride_ask)
-            w_s = tl.load(w_scale_ptrs + group * stride_wsk)
-        else:
-            a_s = 1.0
-            w_s = 1.0
-        if W_TMA:
-            b = w_desc.load([w_row, k * BLOCK_K]).T
-        else:
-            b = _load(w_ptrs, w_mask, EVEN_K)
-        acc = _mma(acc, a, b, a_s, w_s, IS_FP8, UPCAST_BF16, DOT_IEEE)
-        if GATED:  # the up half: the same rows of a times w rows [N, 2N)
-            if IS_FP8:
-                w_up_s = tl.load(w_up_scale_ptrs + group * stride_wsk)
-            else:
-                w_up_s = 1.0
-            if W_TMA:
-                b_up = w_desc.load([w_row + N, k * BLOCK_K]).T
-            else:
-                b_up = _load(w_ptrs + N * stride_wn, w_mask, EVEN_K)
-            acc_up = _mma(acc_up, a, b_up, a_s, w_up_s, IS_FP8, UPCAST_BF16, DOT_IEEE)
-        a_ptrs += BLOCK_K * stride_ak
-        w_ptrs += BLOCK_K * stride_wk
-
-    if GATED:  # silu(gate) * up from the fp32 accumulators
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
-    if QUANT_OUT:  # fp8 with one scale per row of this 128-wide group (as moekit.quant)
-        if STATIC_OUT:
-            scale = tl.load(static_ptr + (tl.where(live, pair, 0) // static_div) * stride_static)
-            acc = clamp_fp8(acc / scale[:, None], FP8_MAX)
-        else:
-            acc, scale = quantize_fp8_rows(acc, FP8_MAX, TINY)
-        tl.store(out_scale_ptrs, scale, mask=keep)
-    if FIX_ROUNDING:
-        acc = round_for_store(acc, out_ptr.dtype.element_ty)
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        _tile(
+            a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, sorted_ptr, out_scale_ptr, static_ptr, w_desc,
+            pid_m * BLOCK_M, pid_n, expert, N, K, numel,
+            stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
+            stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk,
+            stride_osm, stride_osg, stride_static, static_div,
+            BLOCK_M, BLOCK_N, BLOCK_K, PAIRS_PER_ROW, EVEN_K, IS_FP8, FP8_GROUP, GATED, QUANT_OUT, STATIC_OUT,
+            W_TMA, UPCAST_BF16, DOT_IEEE, FIX_ROUNDING, FP8_MAX, TINY, READ_BY_POSITION, WRITE_BY_POSITION,
+        )
 
 
 def fused_moe_gemm(
@@ -368,7 +311,7 @@ def fused_moe_gemm(
     stride_pair, stride_col = out.stride(1), out.stride(2)
     if out.shape[1] == 1:  # topk = 1: a size-1 dim's stride says nothing; pairs step by stride(0)
         stride_pair = out.stride(0)
-    fp8 = _check(a, w, out, blocks, pairs_per_row, config, a_scale, w_scale, gated, chunk)
+    fp8 = check_gemm_args(a, w, out, blocks, pairs_per_row, config, a_scale, w_scale, gated, chunk)
     E, N, K = w.shape
     width = N // 2 if gated else N
     start, end = (0, blocks.sorted_token_ids.numel()) if chunk is None else (chunk.start, chunk.end)
@@ -394,14 +337,20 @@ def fused_moe_gemm(
         blocks.sorted_token_ids[start:end], blocks.expert_ids[start // blocks.block_m :],
         blocks.num_tokens_post_padded, *epilogue[:2],
         w if w_desc is None else w_desc,
-        width, K, blocks.numel, pairs_per_row, num_blocks, start,
+        width, K, blocks.numel, num_blocks, start,
         a.stride(0), a.stride(1), *w.stride(), stride_pair, stride_col, *scales[2:], *epilogue[2:],
-        EVEN_K=K % config.BLOCK_K == 0, IS_FP8=fp8, FP8_GROUP=FP8_GROUP,
+        PAIRS_PER_ROW=pairs_per_row, EVEN_K=K % config.BLOCK_K == 0, IS_FP8=fp8, FP8_GROUP=FP8_GROUP,
         GATED=gated is not None, QUANT_OUT=quant_out, STATIC_OUT=static is not None, W_TMA=w_desc is not None,
         UPCAST_BF16=interpreting() and a.dtype == torch.bfloat16,
         DOT_IEEE=a.dtype == torch.float32, FIX_ROUNDING=interpreting(), FP8_MAX=FP8_MAX, TINY=TINY_SCALE,
         EXPERT_BLOCK=blocks.block_m, READ_BY_POSITION=chunk is not None and chunk.read == "position",
-        WRITE_BY_POSITION=chunk is not None and chunk.write == "position",
+        WRITE_BY_POSITION=chunk is not None and chunk.write == "position", TAIL_M=config.TAIL_M,
         **config.launch,
     )  # fmt: skip
     return out
+
+
+def compile_report() -> list[KernelReport]:
+    """Registers, spills and shared memory of every grouped-GEMM variant compiled so far
+    (:func:`moekit.kernels.report.kernel_reports`); empty under the interpreter."""
+    return kernel_reports(_fused_moe_kernel)

@@ -140,6 +140,52 @@ def test_gated_fp8_requantization(device, static):
         fused_moe_gemm(aq, wq, q3, blocks, pairs_per_row=topk, config=CFG, a_scale=a_s, w_scale=w_s, gated=gated)
 
 
+@pytest.mark.parametrize("kind", ["fp32", "bf16_gated", "fp8_gated"])
+def test_tail_tiles_match_full_tiles(device, kind):
+    # TAIL_M=16 in 32-row blocks: experts get 3, 16, 17, 32 and 40 pairs, so some last blocks
+    # hold at most 16 real rows (the short tile), some more (the full tile), and some blocks are full.
+    K, topk = 128, 1
+    counts = [3, 16, 17, 32, 40, 0]
+    ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)])[torch.randperm(sum(counts))]
+    ids = ids.view(-1, topk).to(device)
+    E, M = len(counts), ids.shape[0]
+    N = 256
+    a = torch.randn(M, K, device=device)
+    w = torch.randn(E, N, K, device=device) / K**0.5
+    kw, dtype, width = {}, torch.float32, N // 2 if "gated" in kind else N
+    if kind.startswith("bf16"):
+        a, w, dtype = a.bfloat16(), w.bfloat16(), torch.bfloat16
+    elif kind.startswith("fp8"):
+        (a, a_s), (w, w_s) = quantize_fp8_per_token_group(a), quantize_fp8_block(w)
+        kw, dtype = dict(a_scale=a_s, w_scale=w_s), torch.bfloat16
+    blocks = moe_align_block_size(ids, 32, E)
+    results = []
+    for tail in (0, 16):
+        cfg = KernelConfig(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, TAIL_M=tail)
+        if kind == "fp8_gated":
+            out = torch.empty(M, topk, width, device=device, dtype=FP8)
+            kw["gated"] = GatedOutput(out_scale=torch.empty(M * topk, width // 128, device=device))
+        else:
+            out = torch.full((M, topk, width), float("nan"), device=device, dtype=dtype)
+            kw["gated"] = GatedOutput() if "gated" in kind else None
+        fused_moe_gemm(a, w, out, blocks, pairs_per_row=topk, config=cfg, **kw)
+        back = out.flatten(0, 1).float()
+        if kind == "fp8_gated":
+            back = back * kw["gated"].out_scale.repeat_interleave(128, dim=1)
+        results.append(back)
+    assert results[1].isfinite().all()  # every pair written by one tile or the other
+    if kind == "fp32":
+        assert_close(results[1], gemm_spec(a, w, ids, topk), dtype=torch.float32)
+    tol = FP8 if kind == "fp8_gated" else dtype
+    assert_close(results[1], results[0], dtype=tol)
+
+
+def test_tail_m_must_fit_the_block():
+    for bad in (8, 24, 32, 64, True):
+        with expect_raises(InvalidInputError, "TAIL_M"):
+            KernelConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, TAIL_M=bad)
+
+
 @pytest.mark.parametrize("kind", ["bf16", "fp32_gated", "fp8_gated", "fp8"])
 def test_tma_weights_match_pointer_loads(device, kind):
     # Weight tiles through a TMA descriptor: the last column tile reads past the expert (into the
