@@ -59,6 +59,7 @@ def main(argv=None) -> int:
     shape = roofline.get_shape("qwen3_30b_a3b")
     p = make_problem(1, E=shape.E, topk=shape.topk, K=shape.K, N=shape.N, dtype=torch.bfloat16, device="cuda")
     kernel = moekit.ModularKernel(NoEPPrepareFinalize(), TritonExperts(), trace_counts=False)
+    graphed = moekit.GraphedKernel(moekit.ModularKernel(NoEPPrepareFinalize(), TritonExperts(), trace_counts=False))
     big = make_problem(16384, E=shape.E, topk=shape.topk, K=shape.K, N=shape.N, dtype=torch.bfloat16, device="cuda")
     row_kernel = moekit.ModularKernel(NoEPPrepareFinalize(), TritonExperts(), chunk_size=8192, chunk_by="rows",
                                 trace_counts=False)  # fmt: skip
@@ -68,6 +69,7 @@ def main(argv=None) -> int:
         "count scan 128x8 E=64": lambda: moekit.count_expert_num_tokens(ids, 64, method="scan"),
         "count histogram 128x8 E=64": lambda: moekit.count_expert_num_tokens(ids, 64),
         "layer qwen3 bf16 M=1": lambda: kernel(*p.inputs(), **p.options()),
+        "layer qwen3 bf16 M=1 GraphedKernel": lambda: graphed(*p.inputs(), **p.options()),
         "layer qwen3 M=16384 R=8192 rows": lambda: row_kernel(*big.inputs(), **big.options()),
     }
     for name, fn in timed.items():

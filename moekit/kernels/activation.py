@@ -20,6 +20,7 @@ import triton.language as tl
 
 from moekit.device import interpreting
 from moekit.errors import InvalidInputError, QuantizationError
+from moekit.kernels.host_math import cdiv, next_power_of_2
 from moekit.quant import FP8, FP8_GROUP, FP8_MAX, TINY_SCALE
 
 
@@ -144,12 +145,12 @@ def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.T
     if out.stride(-1) != 1:
         raise InvalidInputError(f"out must have contiguous rows, got strides {out.stride()}")
     if interpreting():  # few, large programs: the interpreter pays per program
-        BLOCK_H = min(triton.next_power_of_2(H), 256)
+        BLOCK_H = min(next_power_of_2(H), 256)
         BLOCK_R = max(1, 4096 // BLOCK_H)
     else:
-        BLOCK_H = min(triton.next_power_of_2(H), 1024)
+        BLOCK_H = min(next_power_of_2(H), 1024)
         BLOCK_R = max(1, 2048 // BLOCK_H)
-    grid = (triton.cdiv(R, BLOCK_R), triton.cdiv(H, BLOCK_H))
+    grid = (cdiv(R, BLOCK_R), cdiv(H, BLOCK_H))
     _silu_and_mul_kernel[grid](
         x, out, R, H, x.stride(0), out.stride(0),
         BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, FIX_ROUNDING=interpreting(),
@@ -278,7 +279,7 @@ def silu_and_mul_fp8_group(
     if out_q.stride(-1) != 1:
         raise InvalidInputError(f"out_q must have contiguous rows, got strides {out_q.stride()}")
     BLOCK_R = max(1, (4096 if interpreting() else 1024) // group)
-    grid = (triton.cdiv(R_pad, BLOCK_R), G)
+    grid = (cdiv(R_pad, BLOCK_R), G)
     _silu_and_mul_fp8_group_kernel[grid](
         x, out_q, out_scale, static_scale if STATIC else out_scale,
         R, R_pad, H, x.stride(0), out_q.stride(0), out_scale.stride(0), out_scale.stride(1), stride_static,

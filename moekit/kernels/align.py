@@ -39,6 +39,7 @@ import triton.language as tl
 
 from moekit.device import interpreting
 from moekit.errors import InvalidInputError
+from moekit.kernels.host_math import cdiv, next_power_of_2
 from moekit.validate import check_expert_map, check_ids, check_positive_int
 
 TILE = 128  # pairs per program of the count and scatter kernels; the one-program path's limit
@@ -243,7 +244,7 @@ def max_padded_size(numel: int, num_buckets: int, block_m: int) -> int:
     """Rows the layout can need: every non-empty bucket (at most ``min(numel, buckets)``) pads
     by less than ``block_m``; rounded up to whole blocks."""
     bound = numel + min(numel, num_buckets) * (block_m - 1)
-    return triton.cdiv(bound, block_m) * block_m
+    return cdiv(bound, block_m) * block_m
 
 
 def _check(topk_ids, block_m, global_num_experts, expert_map) -> None:
@@ -331,13 +332,13 @@ def moe_align_block_size(
     max_padded = max_padded_size(numel, E + 1, block_m)
     max_blocks = max_padded // block_m
     small = numel <= TILE
-    num_tiles = 0 if small else triton.cdiv(numel, TILE)
+    num_tiles = 0 if small else cdiv(numel, TILE)
     # One allocation: outputs, then (three-launch path) counts [E + 1, num_tiles] and totals
     # [E + 1]. Each piece starts on a 128-byte boundary.
     sizes = (max_padded, max_blocks, 1, 0 if small else (E + 1) * num_tiles, 0 if small else E + 1)
     begin = [0]
     for n in sizes:
-        begin.append(begin[-1] + triton.cdiv(n, 32) * 32)
+        begin.append(begin[-1] + cdiv(n, 32) * 32)
     buffer = torch.empty(begin[-1], dtype=torch.int32, device=device)
     views = (buffer[b : b + n] for b, n in zip(begin[:-1], sizes, strict=True))
     sorted_ids, expert_ids, post, counts, totals = views
@@ -346,7 +347,7 @@ def moe_align_block_size(
         post.zero_()
         return out
     # One spare bin for dropped pairs; tl.histogram wants at least 32 bins.
-    NUM_BINS = max(32, triton.next_power_of_2(E + 2))
+    NUM_BINS = max(32, next_power_of_2(E + 2))
     flags = dict(HAS_MAP=expert_map is not None, KEEP_EMPTY=keep_empty, NUM_BINS=NUM_BINS)
     ids = topk_ids.reshape(-1)
     dims = (numel, E, num_local)
@@ -354,14 +355,14 @@ def moe_align_block_size(
     if small:
         _align_small_kernel[(1,)](
             ids, expert_map, sorted_ids, expert_ids, post, *dims, max_padded, max_blocks,
-            BLOCK_M=block_m, TILE=max(16, triton.next_power_of_2(numel)), PAD_W=pad_w, FILL=_FILL, **flags,
+            BLOCK_M=block_m, TILE=max(16, next_power_of_2(numel)), PAD_W=pad_w, FILL=_FILL, **flags,
             num_warps=4 if NUM_BINS <= 256 else 8,
         )  # fmt: skip
         return out
     _align_count_kernel[(num_tiles,)](ids, expert_map, counts, *dims, num_tiles, TILE=TILE, **flags)
-    scan_block = min(1024, max(16, triton.next_power_of_2(num_tiles)))
+    scan_block = min(1024, max(16, next_power_of_2(num_tiles)))
     _align_scan_kernel[(E + 1,)](counts, totals, num_tiles, BLOCK=scan_block, num_warps=4)
-    owned = triton.next_power_of_2(triton.cdiv(E + 1, num_tiles))
+    owned = next_power_of_2(cdiv(E + 1, num_tiles))
     _align_scatter_kernel[(num_tiles,)](
         ids, expert_map, counts, totals, sorted_ids, expert_ids, post, *dims, num_tiles, max_padded, max_blocks,
         BLOCK_M=block_m, TILE=TILE, OWNED=owned, PAD_W=pad_w, FILL=_FILL, **flags,

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from moekit.device import interpreting
 from moekit.errors import InvalidInputError, QuantizationError
+from moekit.kernels.host_math import cdiv, next_power_of_2
 from moekit.quant import FP8, FP8_GROUP
 
 _FLOAT = (torch.bfloat16, torch.float16, torch.float32)
@@ -149,13 +150,13 @@ def batched_gemm(
     if E == 0 or T == 0 or N == 0:
         return out
 
-    BLOCK_T = min(64, max(16, triton.next_power_of_2(T)))
-    BLOCK_N = min(64, max(16, triton.next_power_of_2(N)))
-    BLOCK_K = FP8_GROUP if fp8 else min(64, max(16, triton.next_power_of_2(K)))
+    BLOCK_T = min(64, max(16, next_power_of_2(T)))
+    BLOCK_N = min(64, max(16, next_power_of_2(N)))
+    BLOCK_K = FP8_GROUP if fp8 else min(64, max(16, next_power_of_2(K)))
     # Unused scale pointers still need a tensor and strides; point them at the counts.
     sa = a_scale if fp8 else expert_num_tokens.view(1, 1, -1)
     sb = b_scale if fp8 else expert_num_tokens.view(1, 1, -1)
-    grid = (E, triton.cdiv(T, BLOCK_T), triton.cdiv(N, BLOCK_N))
+    grid = (E, cdiv(T, BLOCK_T), cdiv(N, BLOCK_N))
     _batched_gemm_kernel[grid](
         a, b, out, expert_num_tokens, sa, sb,
         T, N, K,
@@ -197,8 +198,8 @@ def _check(a, b, counts, a_scale, b_scale) -> bool:
         return False
     if a_scale is None or b_scale is None:
         raise QuantizationError("fp8 a and b need both a_scale and b_scale, got None")
-    N, G = b.shape[1], triton.cdiv(K, FP8_GROUP)
-    want_a, want_b = (E, T, G), (E, triton.cdiv(N, FP8_GROUP), G)
+    N, G = b.shape[1], cdiv(K, FP8_GROUP)
+    want_a, want_b = (E, T, G), (E, cdiv(N, FP8_GROUP), G)
     for name, s, want in (("a_scale", a_scale, want_a), ("b_scale", b_scale, want_b)):
         if tuple(s.shape) != want or s.dtype != torch.float32 or s.device != a.device:
             raise QuantizationError(f"{name} must be float32 {want} on {a.device}, got {s.dtype} {tuple(s.shape)}")

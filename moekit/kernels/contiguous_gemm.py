@@ -32,6 +32,7 @@ import triton.language as tl
 
 from moekit.device import interpreting
 from moekit.errors import InvalidInputError
+from moekit.kernels.host_math import cdiv, next_power_of_2
 from moekit.quant import FP8, FP8_GROUP
 
 
@@ -55,7 +56,7 @@ class GemmConfig:
 def default_config(num_rows: int, N: int, K: int) -> GemmConfig:
     """Tiles for the interpreter (few, large programs) or for Hopper."""
     if interpreting():  # each program costs ~50 ms of Python: use as few as possible
-        return GemmConfig(block_m=128, block_n=max(16, min(256, triton.next_power_of_2(N))), num_stages=1)
+        return GemmConfig(block_m=128, block_n=max(16, min(256, next_power_of_2(N))), num_stages=1)
     return GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=4)
 
 
@@ -170,7 +171,7 @@ def contiguous_gemm(
     if b.dim() != 3 or b.shape[2] != K:
         raise InvalidInputError(f"b must be [E, N, K={K}], got {tuple(b.shape)}")
     E, N, _ = b.shape
-    G_k, G_n = triton.cdiv(K, FP8_GROUP), triton.cdiv(N, FP8_GROUP)
+    G_k, G_n = cdiv(K, FP8_GROUP), cdiv(N, FP8_GROUP)
     problems = []
     if a.dtype != FP8 or b.dtype != FP8:
         problems.append(f"a and b must be float8_e4m3fn, got {a.dtype} and {b.dtype}")
@@ -195,7 +196,7 @@ def contiguous_gemm(
     if M_sum == 0:
         return out
     cfg = config or default_config(M_sum, N, K)
-    grid = ((M_sum // cfg.block_m) * triton.cdiv(N, cfg.block_n),)
+    grid = ((M_sum // cfg.block_m) * cdiv(N, cfg.block_n),)
     _contiguous_gemm_kernel[grid](
         a, a_scale, b, b_scale, out, m_indices, block_rows if block_rows is not None else m_indices,
         M_sum, N, K,

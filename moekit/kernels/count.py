@@ -33,6 +33,7 @@ import triton.language as tl
 
 from moekit.device import interpreting
 from moekit.errors import InvalidIdsError, InvalidInputError
+from moekit.kernels.host_math import cdiv, next_power_of_2
 from moekit.validate import check_expert_map, check_ids, check_positive_int
 
 METHODS = ("histogram", "scan")
@@ -127,9 +128,9 @@ def _sm_count(device_index: int) -> int:
 def _histogram_launch(numel: int, bins_needed: int, sms: int) -> tuple[int, int, int, int]:
     """(block, grid, num_warps, bins) for ``numel > 0`` ids: a tile as large as the input up to
     4096 ids, and at most ``2 x SMs`` programs, each striding over every grid-th tile."""
-    bins = max(32, triton.next_power_of_2(bins_needed))
-    block = min(_BLOCK, max(128, triton.next_power_of_2(numel)))
-    grid = min(triton.cdiv(numel, block), sms * _PROGRAMS_PER_SM)
+    bins = max(32, next_power_of_2(bins_needed))
+    block = min(_BLOCK, max(128, next_power_of_2(numel)))
+    grid = min(cdiv(numel, block), sms * _PROGRAMS_PER_SM)
     return block, grid, max(1, min(16, block // 128)), bins
 
 
@@ -207,7 +208,7 @@ def count_expert_num_tokens(
         out = torch.empty(num_local_experts, dtype=torch.int32, device=device)
         _count_scan_kernel[(num_local_experts,)](
             topk_ids, expert_map, out, numel, limit, num_local_experts,
-            HAS_MAP=expert_map is not None, BLOCK=triton.next_power_of_2(min(numel, 1024)),
+            HAS_MAP=expert_map is not None, BLOCK=next_power_of_2(min(numel, 1024)),
         )  # fmt: skip
         return out
     on_gpu = device.type == "cuda" and not interpreting()

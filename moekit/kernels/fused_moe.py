@@ -31,6 +31,7 @@ from moekit.kernels.activation import clamp_fp8, quantize_fp8_rows, round_for_st
 from moekit.kernels.align import AlignedBlocks
 from moekit.kernels.configs import KernelConfig
 from moekit.kernels.gemm_args import GatedOutput, RowChunk, check_gemm_args
+from moekit.kernels.host_math import cdiv
 from moekit.kernels.report import KernelReport, kernel_reports
 from moekit.quant import FP8, FP8_GROUP, FP8_MAX, TINY_SCALE
 
@@ -331,7 +332,7 @@ def fused_moe_gemm(
         gated.static_div if static is not None else 1,
     )  # fmt: skip
     w_desc = _weight_descriptor(w, config) if config.tma else None
-    grid = (num_blocks * triton.cdiv(width, config.BLOCK_N),)
+    grid = (num_blocks * cdiv(width, config.BLOCK_N),)
     _fused_moe_kernel[grid](
         a, w, out, scales[0], scales[1],
         blocks.sorted_token_ids[start:end], blocks.expert_ids[start // blocks.block_m :],

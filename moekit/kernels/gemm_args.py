@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from moekit.errors import InvalidInputError, QuantizationError
 from moekit.kernels.configs import KernelConfig
+from moekit.kernels.host_math import cdiv
 from moekit.quant import FP8, FP8_GROUP
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -117,12 +117,12 @@ def check_gemm_args(a, w, out, blocks, pairs_per_row, config, a_scale, w_scale, 
         s, want = gated.out_scale, (out.shape[0] * out.shape[1], width // FP8_GROUP)
         if s is None or tuple(s.shape) != want or s.dtype != torch.float32:
             raise QuantizationError(f"fp8 output needs out_scale float32 {want}, got {None if s is None else s.shape}")
-        st, per_row = gated.static_scale, triton.cdiv(blocks.numel, gated.static_div)
+        st, per_row = gated.static_scale, cdiv(blocks.numel, gated.static_div)
         if st is not None and (st.dtype != torch.float32 or st.numel() not in (1, per_row)):
             raise QuantizationError(f"static_scale must be float32, 1 or numel/static_div elements, got {st.shape}")
     if not fp8:
         return False
-    want_a, want_w = (a.shape[0], triton.cdiv(K, FP8_GROUP)), (E, triton.cdiv(N, FP8_GROUP), triton.cdiv(K, FP8_GROUP))
+    want_a, want_w = (a.shape[0], cdiv(K, FP8_GROUP)), (E, cdiv(N, FP8_GROUP), cdiv(K, FP8_GROUP))
     for name, scale, want in (("a_scale", a_scale, want_a), ("w_scale", w_scale, want_w)):
         if scale is None or tuple(scale.shape) != want or scale.dtype != torch.float32:
             got = "None" if scale is None else f"{scale.dtype} {tuple(scale.shape)}"

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from moekit.errors import InvalidInputError
+from moekit.kernels.host_math import cdiv, next_power_of_2
 from moekit.quant import FP8, FP8_GROUP
 from moekit.validate import check_ids
 
@@ -246,7 +247,7 @@ def permute_to_contiguous(
             f"layout buffers are a {tuple(layout.a.shape)}, inv_perm {layout.inv_perm.numel()}, cursor "
             f"{layout.cursor.numel()}; expected {(num_rows, K)}, {M * topk}, {E}"
         )
-    BLOCK_E = triton.next_power_of_2(E)
+    BLOCK_E = next_power_of_2(E)
     _expert_offsets_kernel[(1,)](
         counts, layout.expert_start, layout.cursor, layout.flags, E, num_rows, ALIGN_M=ALIGN_M, BLOCK_E=BLOCK_E
     )
@@ -258,8 +259,8 @@ def permute_to_contiguous(
             K, G, topk, E, emap.numel() if expert_map is not None else E, num_rows,
             a1q.stride(0), a1q_scale.stride(0), a1q_scale.stride(1),
             layout.a.stride(0), layout.a_scale.stride(0), layout.a_scale.stride(1),
-            HAS_MAP=expert_map is not None, TOPK=triton.next_power_of_2(topk),
-            BLOCK_K=min(triton.next_power_of_2(K), 1024), BLOCK_G=triton.next_power_of_2(G),
+            HAS_MAP=expert_map is not None, TOPK=next_power_of_2(topk),
+            BLOCK_K=min(next_power_of_2(K), 1024), BLOCK_G=next_power_of_2(G),
         )  # fmt: skip
     if num_rows > 0:
         _block_experts_kernel[(num_rows // ALIGN_M,)](
@@ -328,8 +329,8 @@ def unpermute_from_contiguous(rows: torch.Tensor, inv_perm: torch.Tensor, *, out
     flat = out.view(-1, K)
     if pairs > 0:
         BLOCK_P = 8
-        _gather_rows_kernel[(triton.cdiv(pairs, BLOCK_P),)](
+        _gather_rows_kernel[(cdiv(pairs, BLOCK_P),)](
             rows, inv_perm, flat, pairs, K, rows.stride(0), flat.stride(0),
-            BLOCK_P=BLOCK_P, BLOCK_K=min(triton.next_power_of_2(K), 1024),
+            BLOCK_P=BLOCK_P, BLOCK_K=min(next_power_of_2(K), 1024),
         )  # fmt: skip
     return out

@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moekit.kernels.host_math import cdiv, next_power_of_2
+
 
 @triton.jit
 def _gather_positions_kernel(
@@ -56,10 +58,10 @@ def gather_positions(a1q: torch.Tensor, a1q_scale: torch.Tensor, sorted_ids: tor
     if rows == 0:
         return
     BLOCK_R = 8
-    _gather_positions_kernel[(triton.cdiv(rows, BLOCK_R),)](
+    _gather_positions_kernel[(cdiv(rows, BLOCK_R),)](
         a1q, a1q_scale, sorted_ids, out, out_scale, rows, numel, topk, K, G,
         a1q.stride(0), a1q_scale.stride(0), a1q_scale.stride(1), out.stride(0), out_scale.stride(0), out_scale.stride(1),
-        BLOCK_R=BLOCK_R, BLOCK_K=min(triton.next_power_of_2(K), 1024), BLOCK_G=triton.next_power_of_2(G),
+        BLOCK_R=BLOCK_R, BLOCK_K=min(next_power_of_2(K), 1024), BLOCK_G=next_power_of_2(G),
     )  # fmt: skip
 
 
@@ -101,9 +103,9 @@ def scatter_positions(rows: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: 
     R = sorted_ids.numel()
     if R:
         BLOCK_R = 8
-        _scatter_positions_kernel[(triton.cdiv(R, BLOCK_R),)](
+        _scatter_positions_kernel[(cdiv(R, BLOCK_R),)](
             rows, sorted_ids, expert_ids, flat, R, numel, K, rows.stride(0), flat.stride(0),
-            EXPERT_BLOCK=expert_block, BLOCK_R=BLOCK_R, BLOCK_K=min(triton.next_power_of_2(K), 1024),
+            EXPERT_BLOCK=expert_block, BLOCK_R=BLOCK_R, BLOCK_K=min(next_power_of_2(K), 1024),
         )  # fmt: skip
     return out
 

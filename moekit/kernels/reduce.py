@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from moekit.errors import InvalidInputError
+from moekit.kernels.host_math import cdiv, next_power_of_2
 
 
 @triton.jit
@@ -66,8 +67,8 @@ def weighted_topk_sum(fused_out: torch.Tensor, topk_weights: torch.Tensor, out: 
     if M == 0:
         return out
     weights = topk_weights.contiguous()
-    BLOCK_K = min(1024, triton.next_power_of_2(K))
+    BLOCK_K = min(1024, next_power_of_2(K))
     BLOCK_M = max(1, min(16, 4096 // BLOCK_K))
-    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(K, BLOCK_K))
+    grid = (cdiv(M, BLOCK_M), cdiv(K, BLOCK_K))
     _weighted_topk_sum_kernel[grid](fused_out, weights, out, M, K, TOPK=topk, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
     return out

@@ -1,0 +1,121 @@
+"""GraphedKernel: one CUDA graph per input signature, replayed; the plain forward without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moekit
+from moekit.errors import InvalidInputError
+from moekit.experts import TritonExperts
+from moekit.graphed import GraphedKernel
+from moekit.modular_kernel import ModularKernel
+from moekit.prepare_finalize import NoEPPrepareFinalize
+from moekit.testing import assert_close, expect_raises, make_problem
+
+on_gpu = pytest.mark.skipif(
+    not torch.cuda.is_available() or moekit.device.interpreting(), reason="needs a CUDA GPU (CUDA graphs)"
+)
+
+
+def _kernel(**kw) -> ModularKernel:
+    return ModularKernel(NoEPPrepareFinalize(), TritonExperts(), trace_counts=False, **kw)
+
+
+def _fresh(p, seed):
+    """The same layer (weights, map) with new per-token inputs."""
+    q = make_problem(p.M, E=p.w1.shape[0], topk=p.topk_ids.shape[1], K=p.hidden.shape[1], N=p.w1.shape[1],
+                     dtype=p.dtype, seed=seed, device=p.hidden.device)  # fmt: skip
+    return q.hidden, p.w1, p.w2, q.topk_weights, q.topk_ids
+
+
+def test_without_a_gpu_it_is_the_plain_forward(device):
+    if device.type == "cuda":
+        pytest.skip("the fallback is for machines without CUDA graphs")
+    p = make_problem(9, device=device)
+    graphed = GraphedKernel(_kernel())
+    out = graphed(*p.inputs(), **p.options())
+    assert graphed.last_mode.startswith("eager: no CUDA device")
+    assert graphed.num_graphs == 0
+    assert_close(out, p.reference(), dtype=p.dtype)
+
+
+def test_bad_arguments_are_named(device):
+    with expect_raises(InvalidInputError, "wraps a moekit.ModularKernel"):
+        GraphedKernel(TritonExperts())
+    with expect_raises(InvalidInputError, "max_graphs"):
+        GraphedKernel(_kernel(), max_graphs=0)
+    p = make_problem(4, device=device)
+    with expect_raises(InvalidInputError, "unknown options"):
+        GraphedKernel(_kernel())(*p.inputs(), chunk_size=2)
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("chunk_size", [None, 64])
+def test_replays_match_the_plain_forward(chunk_size):
+    p = make_problem(130, E=16, topk=4, K=256, N=512, device="cuda")
+    plain, graphed = _kernel(chunk_size=chunk_size), GraphedKernel(_kernel(chunk_size=chunk_size))
+    first = graphed(*p.inputs(), **p.options())
+    assert graphed.last_mode == "captured"
+    assert torch.equal(first, plain(*p.inputs(), **p.options()))  # the same kernels, the same bits
+    for seed in (1, 2):
+        args = _fresh(p, seed)
+        out = graphed(*args, **p.options())
+        assert graphed.last_mode == "replayed"
+        assert torch.equal(out, plain(*args, **p.options()))
+    assert torch.equal(first, plain(*p.inputs(), **p.options()))  # an earlier result is not overwritten
+
+
+@pytest.mark.gpu
+@on_gpu
+def test_each_signature_keeps_its_own_workspace():
+    # M=1 is captured, then a larger M grows a workspace: the first graph must not be left
+    # reading the freed buffer.
+    small, big = make_problem(1, E=16, topk=4, K=256, N=512, device="cuda"), None
+    big = make_problem(2048, E=16, topk=4, K=256, N=512, device="cuda")
+    big_args = (big.hidden, small.w1, small.w2, big.topk_weights, big.topk_ids)
+    plain, graphed = _kernel(), GraphedKernel(_kernel(), max_graphs=4)
+    graphed(*small.inputs())
+    graphed(*big_args)
+    assert graphed.num_graphs == 2
+    for _ in range(3):
+        args = _fresh(small, 7)
+        assert torch.equal(graphed(*args), plain(*args))
+        assert torch.equal(graphed(*big_args), plain(*big_args))
+
+
+@pytest.mark.gpu
+@on_gpu
+def test_least_recently_used_graph_goes_and_weights_change_in_place():
+    p = make_problem(8, E=16, topk=4, K=256, N=512, device="cuda")
+    plain, graphed = _kernel(), GraphedKernel(_kernel(), max_graphs=1)
+    graphed(*p.inputs())
+    q = make_problem(16, E=16, topk=4, K=256, N=512, device="cuda")
+    graphed(q.hidden, p.w1, p.w2, q.topk_weights, q.topk_ids)
+    assert graphed.num_graphs == 1
+    p.w1.mul_(0.5)  # in place: the graph reads the new values at the same address
+    out = graphed(q.hidden, p.w1, p.w2, q.topk_weights, q.topk_ids)
+    assert graphed.last_mode == "replayed"
+    assert torch.equal(out, plain(q.hidden, p.w1, p.w2, q.topk_weights, q.topk_ids))
+
+
+@pytest.mark.gpu
+@on_gpu
+def test_a_capture_that_fails_falls_back_and_is_not_retried(monkeypatch):
+    p = make_problem(8, E=16, topk=4, K=256, N=512, device="cuda")
+    real = ModularKernel.forward
+
+    def syncing(self, *args, **kw):
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("a host sync inside the capture")
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(ModularKernel, "forward", syncing)
+    graphed = GraphedKernel(_kernel())
+    out = graphed(*p.inputs())
+    assert graphed.last_mode.startswith("eager: capture failed (RuntimeError")
+    assert graphed.num_graphs == 0
+    assert torch.equal(out, real(_kernel(), *p.inputs()))
+    graphed(*p.inputs())
+    assert graphed.last_mode.startswith("eager: capture failed before")
