@@ -39,19 +39,38 @@ from moekit.kernels.fused_moe import compile_report, fused_moe_gemm
 from moekit.kernels.report import kernel_reports
 from moekit.roofline import SHAPES
 
-# vLLM's H200 entry for E=128, N=768 (Qwen3-30B-A3B at TP 1), batch keys 1024 and up: one config
-# for both GEMMs (vllm/model_executor/layers/fused_moe/configs/E=128,N=768,device_name=NVIDIA_H200.json).
-VLLM_H200_LARGE = dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=256, BLOCK_SIZE_K=64, GROUP_SIZE_M=16, num_warps=8, num_stages=4)
-VLLM_AS_MOEKIT = KernelConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=16, num_warps=8, num_stages=4)
+# vLLM's H200 entries for E=128, N=768 (Qwen3-30B-A3B at TP 1), by batch size (vLLM takes the
+# nearest key; one config for both GEMMs): vllm/model_executor/layers/fused_moe/configs/
+# E=128,N=768,device_name=NVIDIA_H200.json, keys 1, 128 and 1024 and up.
+VLLM_H200 = {
+    1: dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64, GROUP_SIZE_M=1, num_warps=4, num_stages=5),
+    128: dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, GROUP_SIZE_M=1, num_warps=4, num_stages=2),
+    1024: dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=256, BLOCK_SIZE_K=64, GROUP_SIZE_M=16, num_warps=8, num_stages=4),
+}
 
 
-def candidates(table: KernelConfig) -> dict[str, KernelConfig]:
+def vllm_config(M: int) -> dict:
+    return VLLM_H200[min(VLLM_H200, key=lambda k: abs(k - M))]
+
+
+def as_moekit(c: dict) -> KernelConfig:
+    return KernelConfig(c["BLOCK_SIZE_M"], c["BLOCK_SIZE_N"], c["BLOCK_SIZE_K"], GROUP_M=c["GROUP_SIZE_M"],
+                        num_warps=c["num_warps"], num_stages=c["num_stages"])  # fmt: skip
+
+
+def candidates(table: KernelConfig, M: int) -> dict[str, KernelConfig]:
     """Tiles to try around the table's (names are what the report prints)."""
 
     def cfg(bm, bn, bk, g, w, s, tail=0, tma=False):
         return KernelConfig(bm, bn, bk, GROUP_M=g, num_warps=w, num_stages=s, TAIL_M=tail, tma=tma)
 
-    out = {"table": table, "vllm-cfg": VLLM_AS_MOEKIT}
+    out = {"table": table, "vllm-cfg": as_moekit(vllm_config(M))}
+    if M <= 128:  # weight streaming: enough programs to keep every SM reading
+        for bn, bk, w, st in ((32, 128, 4, 4), (32, 128, 2, 4), (32, 256, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3),
+                              (32, 128, 4, 5), (64, 128, 4, 5), (128, 128, 4, 5)):  # fmt: skip
+            out[f"16x{bn}x{bk} w{w} s{st}"] = cfg(16, bn, bk, 1, w, st)
+            out[f"16x{bn}x{bk} w{w} s{st} tma"] = cfg(16, bn, bk, 1, w, st, tma=True)
+        return out
     for g in (8, 16, 32):
         for tail in (0, 32, 64):
             out[f"128x256x64 g{g} w8 s4 tail{tail} tma"] = cfg(128, 256, 64, g, 8, 4, tail, True)
@@ -67,10 +86,12 @@ def load_file(path: str, name: str):
     return module
 
 
-def vllm_launch(module, a, w, out, blocks, *, top_k, weights, mul_weight):
+def vllm_launch(module, a, w, out, blocks, *, top_k, weights, mul_weight, config):
     """vLLM's kernel as its launcher calls it (bf16, no quantization)."""
-    c = VLLM_H200_LARGE
+    c = config
     em = blocks.sorted_token_ids.shape[0]
+    if a.shape[0] < c["BLOCK_SIZE_M"]:  # as vLLM's launcher: few tokens launch fewer blocks
+        em = min(em, a.shape[0] * top_k * c["BLOCK_SIZE_M"])
     grid = (triton.cdiv(em, c["BLOCK_SIZE_M"]) * triton.cdiv(w.shape[1], c["BLOCK_SIZE_N"]),)
     return module.fused_moe_kernel[grid](
         a, w, out, None, None, weights, blocks.sorted_token_ids, blocks.expert_ids, blocks.num_tokens_post_padded,
@@ -97,11 +118,17 @@ def sampled_error(out, pick, ref, weights=None):
     return ((out.flatten(0, 1)[pick].float() - ref).abs().max() / ref.abs().max()).item()
 
 
-def bench(fns: dict, rounds: int) -> dict[str, float]:
+def bench(fns: dict, rounds: int, *, graph: bool) -> dict[str, float]:
+    """Median µs per contender: ``do_bench``, or CUDA-graph replays (``graph``, for small M
+    where a launch's host time would be most of an eager median)."""
     times = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            times[name].append(triton.testing.do_bench(fn, warmup=20, rep=80, return_mode="median") * 1e3)
+            if graph:
+                us = triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median") * 1e3
+            else:
+                us = triton.testing.do_bench(fn, warmup=20, rep=80, return_mode="median") * 1e3
+            times[name].append(us)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -120,7 +147,7 @@ def run_case(shape, M, args, vllm, before, gen) -> dict:
         "gemm1": dict(a=hidden, w=w1, out_n=2 * I, ppr=topk, table=get_config(M, 2 * I, K, E, topk, bf16, stage=1)),
         "gemm2": dict(a=act, w=w2, out_n=K, ppr=1, table=get_config(M, K, I, E, topk, bf16, stage=2)),
     }
-    layouts = {bm: moe_align_block_size(ids, bm, E) for bm in (64, 128)}
+    layouts = {bm: moe_align_block_size(ids, bm, E) for bm in (16, 32, 64, 128)}
     padded = {bm: int(b.num_tokens_post_padded.item()) for bm, b in layouts.items()}
     row = {"shape": args.shape, "M": M, "padding": {bm: 1 - numel / p for bm, p in padded.items()}, "stages": {}}
     print(
@@ -130,7 +157,7 @@ def run_case(shape, M, args, vllm, before, gen) -> dict:
     for stage, s in stages.items():
         flops = 2 * numel * s["out_n"] * s["w"].shape[2]
         outs, fns, errors = {}, {}, {}
-        for name, cfg in candidates(s["table"]).items():
+        for name, cfg in candidates(s["table"], M).items():
             out = torch.empty(M, topk, s["out_n"], device=dev, dtype=torch.bfloat16)
             blocks = layouts[cfg.BLOCK_M]
             fn = (lambda s=s, out=out, blocks=blocks, cfg=cfg:
@@ -146,8 +173,10 @@ def run_case(shape, M, args, vllm, before, gen) -> dict:
             out = torch.empty(M, topk, s["out_n"], device=dev, dtype=torch.bfloat16)
             mul = stage == "gemm2"
             outs["vllm"] = out
-            fns["vllm"] = lambda s=s, out=out, mul=mul: vllm_launch(
-                vllm, s["a"], s["w"], out, layouts[128], top_k=s["ppr"], weights=weights, mul_weight=mul
+            vcfg = vllm_config(M)
+            fns["vllm"] = lambda s=s, out=out, mul=mul, vcfg=vcfg: vllm_launch(
+                vllm, s["a"], s["w"], out, layouts[vcfg["BLOCK_SIZE_M"]], top_k=s["ppr"], weights=weights,
+                mul_weight=mul, config=vcfg,
             )
         for fn in fns.values():
             fn()
@@ -159,7 +188,7 @@ def run_case(shape, M, args, vllm, before, gen) -> dict:
         bad = {n: e for n, e in errors.items() if not e < 2e-2}
         for n in bad:
             fns.pop(n)
-        times = bench(fns, args.rounds)
+        times = bench(fns, args.rounds, graph=M <= 128)
         base = times.get("vllm")
         print(f"-- {stage}: {s['a'].shape[0]}x{s['w'].shape[2]} -> {s['out_n']}, {flops / 1e9:.0f} GFLOP useful")
         for name, us in sorted(times.items(), key=lambda kv: kv[1]):
@@ -171,7 +200,7 @@ def run_case(shape, M, args, vllm, before, gen) -> dict:
             "flops": flops,
             "us": times,
             "errors": errors,
-            "configs": {n: asdict(c) for n, c in candidates(s["table"]).items()},
+            "configs": {n: asdict(c) for n, c in candidates(s["table"], M).items()},
         }
     return row
 
