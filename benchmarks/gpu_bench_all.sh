@@ -51,9 +51,11 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'numpy', numpy._
       'device', moekit.device.get_device(), torch.cuda.get_device_name())
 print('torch._grouped_mm:', hasattr(torch, '_grouped_mm'), '| deep_gemm:', status())"
 
-# 1. The main target table: Qwen3-30B-A3B bf16, graphs for M <= 128, profiler split for all.
-step layer-qwen3-bf16 150 "$PY" -m benchmarks.harness layer --shape qwen3_30b_a3b --dtype bf16 \
-    --M 1 128 4096 16384 --graph-max-M 128 --peers grouped_mm,triton,triton_chunked --phases \
+# 1. The main target table: Qwen3-30B-A3B bf16, every M eager and as a CUDA graph (so a slow
+#    host shows as eager > graph instead of hiding in the kernel numbers), profiler split for all,
+#    and the same kernel through GraphedKernel (an eager call that replays a graph).
+step layer-qwen3-bf16 180 "$PY" -m benchmarks.harness layer --shape qwen3_30b_a3b --dtype bf16 \
+    --M 1 128 4096 16384 32768 --graph-max-M 32768 --peers grouped_mm,triton,triton_graphed --phases \
     --out "$OUT"
 
 # 2. Chunking cost and workspace bytes against C.
