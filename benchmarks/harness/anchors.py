@@ -73,7 +73,7 @@ TARGETS: dict[tuple[str, str, int], list[Target]] = {
     ],
 }
 
-MOEKIT_PEERS = ("triton", "triton_chunked", "deep_gemm", "deep_gemm_triton", "triton_or_deep_gemm")
+MOEKIT_PEERS = ("triton", "triton_fused", "triton_chunked", "deep_gemm", "deep_gemm_triton", "triton_or_deep_gemm")
 
 
 def check_target(t: Target, peer: str, *, us: float | None, gemm_tflops: float | None = None,

@@ -13,7 +13,8 @@ A problem is a :class:`moekit.testing.MoEProblem` (see :mod:`benchmarks.harness.
   Every step stays on the device with fixed shapes (no bincount, no ``.item()``), so it can be
   captured in a CUDA graph.
 - ``triton`` / ``triton_chunked``: moekit's TritonExperts through ModularKernel, one chunk or
-  chunks of C tokens; ``triton_graphed``: the one-chunk kernel through ``moekit.GraphedKernel``
+  chunks of C tokens; ``triton_fused``: one chunk with silu_and_mul in GEMM1's epilogue
+  (``TritonExperts(fuse_activation=True)``); ``triton_graphed``: the one-chunk kernel through ``moekit.GraphedKernel``
   (its eager time is a CUDA-graph replay per call; inside the harness's own capture it runs the
   plain forward).
 - ``deep_gemm`` / ``deep_gemm_triton``: DeepGemmExperts (fp8 block) on the real deep_gemm, or on
@@ -32,8 +33,8 @@ from benchmarks.harness.common import quant_of
 from moekit.errors import InvalidInputError, MoekitError
 from moekit.testing import MoEProblem
 
-PEERS = ("grouped_mm", "triton", "triton_graphed", "triton_chunked", "deep_gemm", "deep_gemm_triton",
-         "triton_or_deep_gemm")
+PEERS = ("grouped_mm", "triton", "triton_fused", "triton_graphed", "triton_chunked", "deep_gemm",
+         "deep_gemm_triton", "triton_or_deep_gemm")
 DEFAULT_PEERS = {"bf16": ("grouped_mm", "triton", "triton_chunked"),
                  "fp8": ("triton", "deep_gemm_triton", "deep_gemm")}
 
@@ -141,11 +142,12 @@ def make_peer(name: str, dtype: str, *, chunk_size: int = 1024) -> Peer:
             return _skip(name, f"torch {torch.__version__} has no torch._grouped_mm")
         return Peer(name, grouped_mm_moe)
     try:
-        if name in ("triton", "triton_graphed", "triton_chunked"):
+        if name in ("triton", "triton_fused", "triton_graphed", "triton_chunked"):
             from moekit.experts import TritonExperts
 
             chunk = chunk_size if name == "triton_chunked" else None
-            return _modular(name, TritonExperts(quant=quant), chunk, graphed=name == "triton_graphed")
+            experts = TritonExperts(quant=quant, fuse_activation=name == "triton_fused")
+            return _modular(name, experts, chunk, graphed=name == "triton_graphed")
         if name == "triton_or_deep_gemm":
             from moekit.experts import TritonOrDeepGemmExperts
 
