@@ -52,7 +52,18 @@ SWEEP = [
     GemmConfig(block_m=128, block_n=256, group_m=8, num_warps=8, num_stages=3),
     GemmConfig(block_m=64, block_n=256, group_m=8, num_warps=8, num_stages=3),
     GemmConfig(block_m=128, block_n=128, group_m=16, num_warps=4, num_stages=5),
+    # Smaller row tiles waste less on an expert's last, partly filled 128-row block.
+    GemmConfig(block_m=32, block_n=128, group_m=8, num_warps=4, num_stages=4),
+    GemmConfig(block_m=32, block_n=256, group_m=8, num_warps=4, num_stages=3),
+    GemmConfig(block_m=32, block_n=128, group_m=16, num_warps=4, num_stages=5),
+    GemmConfig(block_m=64, block_n=128, group_m=16, num_warps=4, num_stages=5),
+    GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=8, num_stages=4),
 ]
+
+
+def computed_rows(block_rows: torch.Tensor, block_m: int) -> int:
+    """Rows in the tiles a GEMM with ``block_m``-row tiles computes (tiles of pure padding skip)."""
+    return int((torch.div(block_rows + block_m - 1, block_m, rounding_mode="floor") * block_m).sum())
 
 
 def timer_ms(fn, *, cuda: bool) -> float:
@@ -113,7 +124,7 @@ def phase_times(hidden, w, ids, E, gemm, *, cuda):
         "unpermute": lambda: unpermute_from_contiguous(mm2, layout.inv_perm, out=out),
     }
     ms = {name: timer_ms(fn, cuda=cuda) for name, fn in phases.items()}
-    return ms, M_sum
+    return ms, M_sum, layout.block_rows
 
 
 def triton_gemm(config):
@@ -132,7 +143,7 @@ def report_backend(name, problem: MoEProblem, gemm, experts, *, cuda, sample):
     w = (problem.w1, problem.w1_scale, problem.w2, problem.w2_scale)
     M, K = hidden.shape
     topk, N = ids.shape[1], w[0].shape[1]
-    ms, M_sum = phase_times(hidden, w, ids, E, gemm, cuda=cuda)
+    ms, M_sum, _ = phase_times(hidden, w, ids, E, gemm, cuda=cuda)
     pairs = M * topk
     flops = {"gemm1": 2 * N * K, "gemm2": 2 * K * (N // 2)}
     kernel = moekit.ModularKernel(NoEPPrepareFinalize(), experts)
@@ -195,12 +206,17 @@ def main() -> int:
         print(f"\n== tile sweep (contiguous GEMM), {'config':<60} gemm1 / gemm2 ms")
         for cfg in SWEEP:
             try:
-                ms, _ = phase_times(hidden, w, ids, E, triton_gemm(cfg), cuda=cuda)
+                ms, _, block_rows = phase_times(hidden, w, ids, E, triton_gemm(cfg), cuda=cuda)
             except Exception as e:  # a config that does not compile (shared memory) is skipped
                 print(f"   {cfg}: failed: {type(e).__name__}: {str(e)[:120]}")
                 continue
-            rows.append({"config": cfg.__dict__, "gemm1_ms": ms["gemm1"], "gemm2_ms": ms["gemm2"]})
-            print(f"   {str(cfg):<70} {ms['gemm1']:.3f} / {ms['gemm2']:.3f}")
+            pairs, rows_done = M * topk, computed_rows(block_rows, cfg.block_m)
+            tf = {g: 2 * pairs * n * k / ms[g] / 1e9 for g, n, k in (("gemm1", 2 * I, K), ("gemm2", K, I))}
+            rows.append({"config": cfg.__dict__, "gemm1_ms": ms["gemm1"], "gemm2_ms": ms["gemm2"],
+                         "computed_rows": rows_done, "tflops_useful": tf,
+                         "tflops_computed": {g: v * rows_done / pairs for g, v in tf.items()}})
+            print(f"   {str(cfg):<70} {ms['gemm1']:.3f} / {ms['gemm2']:.3f}  useful {tf['gemm1']:.0f} / "
+                  f"{tf['gemm2']:.0f} TF/s, {rows_done} rows computed for {pairs} pairs")
             if best is None or ms["gemm1"] + ms["gemm2"] < best[1]:
                 best = (cfg, ms["gemm1"] + ms["gemm2"])
         result["sweep"] = rows
@@ -219,6 +235,16 @@ def main() -> int:
         except Exception as e:
             result["deep_gemm"] = {"error": f"{type(e).__name__}: {e}"}
             print(f"real deep_gemm failed: {result['deep_gemm']['error']}")
+    if cuda:  # registers, spills and shared memory of every contiguous-GEMM variant compiled
+        from moekit.kernels.contiguous_gemm import _contiguous_gemm_kernel
+        from moekit.kernels.report import kernel_reports
+
+        reports = kernel_reports(_contiguous_gemm_kernel)
+        result["compiler"] = [r.__dict__ for r in reports]
+        for r in reports:
+            c = r.constants
+            print(f"contiguous {c.get('BLOCK_M')}x{c.get('BLOCK_N')}x{c.get('BLOCK_K')} g{c.get('GROUP_M')} "
+                  f"w{r.num_warps} s{r.num_stages}: regs {r.n_regs} spills {r.n_spills} smem {r.shared_bytes}")
     ok = result["triton"]["check"]["rel_norm_err"] < 4e-2
     print(f"\ncorrectness {'OK' if ok else 'FAILED'}; total {time.time() - t0:.0f} s")
     out_dir = os.environ.get("OUT")

@@ -54,7 +54,7 @@ def main() -> int:
     for case in cases:
         ids, num_local, emap, expected = inputs(*case, device=device)
         rows = []
-        fn = lambda: moekit.count_expert_num_tokens(ids, num_local, emap)
+        fn = lambda: moekit.count_expert_num_tokens(ids, num_local, emap)  # noqa: B023
         row = dict(what="moekit histogram", exact=same(fn(), expected))
         if on_gpu:
             row["graph_us"] = graph_us(fn)[0]
@@ -64,7 +64,7 @@ def main() -> int:
             if time.perf_counter() - start > BUDGET_S:
                 break
             fn = lambda: count_dot(ids, num_local, emap, k=k, split=split, programs_per_sm=pps,  # noqa: B023
-                                   num_warps=warps, sms=sms, fp16=fp16)
+                                   num_warps=warps, sms=sms, fp16=fp16)  # noqa: B023
             row = dict(what=f"dot {'fp16' if fp16 else 'int8'} k={k} split={split} pps={pps} w={warps}")
             try:
                 row["exact"] = same(fn(), expected) and same(fn(), expected)
