@@ -25,8 +25,14 @@ $(STAMP): pyproject.toml requirements/pins.txt Makefile
 lint: venv
 	$(VENV)/bin/ruff check moekit tests notebooks benchmarks
 
+# On a CUDA machine the `interpreter` tests (CPU tensors into the kernels) skip in the first run,
+# which compiles for the GPU; the second run gives them Triton's interpreter, as CI does.
 test: venv lint
 	$(PY) -m pytest -q $(ARGS)
+	@if [ "$${MOEKIT_DEVICE:-}" != cpu ] && $(PY) -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
+		echo "CUDA machine: the interpreter tests again, on the CPU (MOEKIT_DEVICE=cpu)"; \
+		MOEKIT_DEVICE=cpu $(PY) -m pytest -q -m interpreter $(ARGS); \
+	fi
 
 test-fast: venv
 	$(PY) -m pytest -q -m "not notebooks and not browser and not slow" $(ARGS)

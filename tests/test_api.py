@@ -22,6 +22,7 @@ def layer(M=24, E=8, topk=2, K=128, N=256, seed=0):
     return x, w1, w2, tw, ti
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("chunk_size", [None, 7])
 def test_fused_moe_triton_matches_reference(chunk_size):
     x, w1, w2, tw, ti = layer()
@@ -30,6 +31,7 @@ def test_fused_moe_triton_matches_reference(chunk_size):
     assert_close(out, moe_reference(x, w1, w2, tw, ti), dtype=torch.float32)
 
 
+@pytest.mark.interpreter
 def test_fused_moe_fp8_weights_select_fp8_block():
     x, w1, w2, tw, ti = layer(M=9, E=4)
     q1, s1 = quantize_fp8_block(w1)
@@ -54,6 +56,7 @@ def test_fused_moe_names_bad_arguments():
         moekit.fused_moe(x, w1, w2, tw, ti, experts=["triton"])
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("first, then", [(1, True), (4, 4.0)])
 def test_the_kernel_cache_never_lets_a_bad_chunk_size_through(first, then):
     # True == 1 and 4.0 == 4 as dict keys: validating after the cache lookup let them pass.
@@ -69,6 +72,7 @@ def test_ids_beyond_the_experts_are_named_on_the_cpu():
         moekit.fused_moe(x, w1, w2, tw, ti + 10)  # used to return zeros for those slots, silently
 
 
+@pytest.mark.interpreter
 def test_many_chunk_sizes_keep_a_bounded_cache_and_one_pool():
     from moekit import api
     from moekit.workspace import shared_pool
@@ -80,6 +84,7 @@ def test_many_chunk_sizes_keep_a_bounded_cache_and_one_pool():
     assert {id(k.pool) for k in api._KERNELS.values()} == {id(shared_pool(x.device))}
 
 
+@pytest.mark.interpreter
 def test_two_threads_share_the_cached_kernel_correctly():
     # Two threads with the same chunk size share one kernel and its pool: they take turns.
     import threading

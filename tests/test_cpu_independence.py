@@ -29,6 +29,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+@pytest.mark.interpreter
 @pytest.mark.slow
 @pytest.mark.parametrize("coretype", ["Haswell", "Zen", "SkylakeX"])
 def test_chunking_promises_hold_under_other_cpu_kernels(coretype):

@@ -190,6 +190,7 @@ def test_results_move_to_cpu_recursively():
     assert isinstance(out["b"], _Box) and out["b"].items[0].device.type == "cpu"
 
 
+@pytest.mark.interpreter
 def test_ep_cli_runs_every_rank_and_prints_counts(capsys):
     from moekit.ep import main
 

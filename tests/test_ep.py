@@ -76,6 +76,7 @@ def test_format_results():
     ]
 
 
+@pytest.mark.interpreter
 @pytest.mark.distributed
 def test_cli_runs_two_gloo_ranks():
     cmd = [sys.executable, "-m", "moekit.ep", "--world-size", "2", "--M", "8,4", "--E", "8", "--topk", "2",

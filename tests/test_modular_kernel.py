@@ -75,6 +75,7 @@ def problem(M=37, E=6, topk=2, K=16, N=24, seed=0):
     return x, w1, w2, weights, ids
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("C", [None, 1, 5, 16, 37, 64])
 def test_chunked_equals_unchunked_equals_reference(C):
     x, w1, w2, tw, ti = problem()
@@ -86,6 +87,7 @@ def test_chunked_equals_unchunked_equals_reference(C):
     assert sum(r.M for r in kernel.last_trace) == 37
 
 
+@pytest.mark.interpreter
 def test_trace_records_backend_per_chunk_and_counts():
     x, w1, w2, tw, ti = problem(M=13)
     kernel = ModularKernel(NoEPPrepareFinalize(), SwitchingTorchExperts(switch=8), chunk_size=8)
@@ -107,6 +109,7 @@ def test_zero_tokens_returns_empty_without_calling_experts():
     assert out.shape == (0, 16) and experts.calls == []
 
 
+@pytest.mark.interpreter
 def test_experts_without_chunking_get_one_call_with_metadata_unchanged():
     x, w1, w2, tw, ti = problem(M=20)
     experts = SwitchingTorchExperts(chunking=False)
@@ -117,6 +120,7 @@ def test_experts_without_chunking_get_one_call_with_metadata_unchanged():
     assert_close(out, moe_reference(x, w1, w2, tw, ti), dtype=torch.float32)
 
 
+@pytest.mark.interpreter
 def test_per_chunk_metadata_is_recounted_and_whole_batch_is_stale():
     x, w1, w2, tw, ti = problem(M=20)
     for policy in ("per_chunk", "whole_batch"):
@@ -133,6 +137,7 @@ def test_per_chunk_metadata_is_recounted_and_whole_batch_is_stale():
             assert all(torch.equal(m.expert_num_tokens, count_reference(ti, 6)) for m in metas)
 
 
+@pytest.mark.interpreter
 def test_once_policy_guard_names_the_mismatch():
     x, w1, w2, tw, ti = problem(M=10)
     kernel = ModularKernel(NoEPPrepareFinalize(), SwitchingTorchExperts(switch=8), chunk_size=8,
@@ -141,6 +146,7 @@ def test_once_policy_guard_names_the_mismatch():
         kernel(x, w1, w2, tw, ti)
 
 
+@pytest.mark.interpreter
 def test_once_policy_without_guard_runs_small_chunks_in_the_big_buffers():
     # The parent commit's prefix views: the small backend's caches fit inside the big ones.
     x, w1, w2, tw, ti = problem(M=10)
@@ -151,6 +157,7 @@ def test_once_policy_without_guard_runs_small_chunks_in_the_big_buffers():
     assert second.shapes == first.shapes != second.needed  # given the big buffers, needed its own
 
 
+@pytest.mark.interpreter
 def test_once_policy_without_guard_fails_raw_like_upstream():
     # With the big backend's 2-D output declared for the whole batch, the small chunk gets a 2-D
     # slice and indexes its third dimension: torch's IndexError, as upstream (41060c6e0).
@@ -164,6 +171,7 @@ def test_once_policy_without_guard_fails_raw_like_upstream():
         ("big", True, (16, 16)), ("small", False, (4, 16))]
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("M", [16, 13])
 def test_once_policy_is_harmless_when_no_chunk_switches(M):
     # A shorter last chunk of the same backend takes the leading rows of the buffers.
@@ -173,6 +181,7 @@ def test_once_policy_is_harmless_when_no_chunk_switches(M):
     assert_close(kernel(x, w1, w2, tw, ti), moe_reference(x, w1, w2, tw, ti), dtype=torch.float32)
 
 
+@pytest.mark.interpreter
 def test_output_layout_that_disagrees_between_backends_is_named():
     # Pre-fix upstream: the big backend declared (M*topk, K), the small one (M, topk, K).
     x, w1, w2, tw, ti = problem(M=10)
@@ -181,6 +190,7 @@ def test_output_layout_that_disagrees_between_backends_is_named():
         kernel(x, w1, w2, tw, ti)
 
 
+@pytest.mark.interpreter
 def test_per_token_a2_scale_is_sliced_per_chunk():  # upstream #28728 sliced (e, e)
     x, w1, w2, tw, ti = problem(M=10)
     experts = SwitchingTorchExperts()
@@ -193,6 +203,7 @@ def test_per_token_a2_scale_is_sliced_per_chunk():  # upstream #28728 sliced (e,
     assert all(c["a2"] is per_tensor for c in experts.calls)
 
 
+@pytest.mark.interpreter
 def test_pool_does_not_grow_after_the_first_chunk_and_poison_never_leaks():
     x, w1, w2, tw, ti = problem(M=40)
     pool = WorkspacePool("cpu")
@@ -208,6 +219,7 @@ def test_pool_does_not_grow_after_the_first_chunk_and_poison_never_leaks():
     assert not out.isnan().any()
 
 
+@pytest.mark.interpreter
 def test_expert_map_splits_sum_to_reference():
     x, w1, w2, tw, ti = problem(M=21, E=8)
     ref = moe_reference(x, w1, w2, tw, ti)
@@ -221,6 +233,7 @@ def test_expert_map_splits_sum_to_reference():
         assert_close(total, ref, dtype=torch.float32)
 
 
+@pytest.mark.interpreter
 def test_negative_ids_contribute_nothing():
     x, w1, w2, tw, ti = problem(M=9)
     ti = ti.clone()
@@ -330,9 +343,10 @@ def test_the_per_chunk_recount_uses_the_expert_map():
     out = kernel(*rank1.inputs(), **rank1.options())
     assert_close(out, rank1.reference(), dtype=torch.float32)
     local = moekit.reference.count_reference(rank1.topk_ids, 4, rank1.expert_map)
-    assert torch.equal(kernel.last_trace.counts_matrix().sum(0), local.long())
+    assert torch.equal(kernel.last_trace.counts_matrix().sum(0), local.long().cpu())  # the trace is on the CPU
 
 
+@pytest.mark.interpreter
 def test_two_threads_sharing_one_kernel_take_turns():
     # They share one workspace pool: the Triton experts compute through it (GEMM1 -> workspace13
     # -> activation -> workspace2 -> GEMM2). Without the pool's lock, results were corrupted.

@@ -1,5 +1,6 @@
 """Property: for any small problem, chunked == unchunked == reference (TritonExperts)."""
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -21,6 +22,7 @@ from moekit.testing import assert_close
     half_N=st.sampled_from([8, 16]),
     seed=st.integers(0, 2**16),
 )
+@pytest.mark.interpreter
 def test_chunked_equals_unchunked(M, C, E, topk, K, half_N, seed):
     topk = min(topk, E)
     g = torch.Generator().manual_seed(seed)

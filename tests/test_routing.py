@@ -36,7 +36,7 @@ def assert_valid(r: Routing, M: int, E: int, topk: int) -> None:
 def test_rows_hold_distinct_experts_and_weights_sum_to_one(make):
     r = make(seed=1)
     assert_valid(r, 64, 16, 4)
-    torch.testing.assert_close(r.topk_weights.sum(dim=1), torch.ones(64))
+    torch.testing.assert_close(r.topk_weights.sum(dim=1), torch.ones(64, device=r.topk_weights.device))
     assert bool((r.topk_weights > 0).all())
 
 

@@ -131,7 +131,7 @@ def test_make_problem_shapes_and_dtypes(dtype):
     assert p.w1_scale is None and p.w2_scale is None and p.expert_map is None and p.global_num_experts is None
     assert int(p.topk_ids.min()) >= 0 and int(p.topk_ids.max()) < 4
     assert all(len(set(row)) == 3 for row in p.topk_ids.tolist())  # distinct experts per token
-    assert p.hidden.device == moekit.device.get_device()
+    assert p.hidden.device.type == moekit.device.get_device().type
 
 
 def test_make_problem_fp8_scales():
@@ -194,7 +194,7 @@ def test_reference_rows_and_unweighted():
     torch.testing.assert_close(p.reference(rows=slice(3, 8)), whole[3:8])
     per_slot = p.reference(apply_weights=False)
     assert per_slot.shape == (12, 2, 64)
-    torch.testing.assert_close((per_slot * p.topk_weights.cpu().unsqueeze(-1)).sum(1), whole, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close((per_slot * p.topk_weights.unsqueeze(-1)).sum(1), whole, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("quant", [QuantScheme.NONE, FP8_BLOCK], ids=["bf16", "fp8"])

@@ -95,6 +95,7 @@ def test_problem_and_blocked_reference(dtype):
     assert other.hidden.shape == (7, 256) and other.topk_ids.shape == (7, 2) and other.quant is x.quant
 
 
+@pytest.mark.interpreter
 def test_layer_dry_run_and_cpu_refusal(capsys):
     assert layer.main(["--shape", "deepseek_v3", "--M", "16384", "--dry-run"]) == 0
     out = capsys.readouterr().out
@@ -177,6 +178,7 @@ def test_layer_orchestration_on_cpu(monkeypatch, tmp_path, capsys):
     assert "grouped_mm" in out and "host sync: moekit/x.py" in out and "skipped" in out
 
 
+@pytest.mark.interpreter
 def test_layer_fp8_with_the_blockwise_reference_on_cpu(monkeypatch, tmp_path):
     """fp8 block weights through moekit's experts, checked against the block-at-a-time oracle
     (the path a DeepSeek-V3-sized layer takes)."""
@@ -192,6 +194,7 @@ def test_layer_fp8_with_the_blockwise_reference_on_cpu(monkeypatch, tmp_path):
     assert all(r["status"] == "ok" and r["rel_err"] < layer.TOLERANCE["fp8"] for r in rows)
 
 
+@pytest.mark.interpreter
 def test_chunking_orchestration_on_cpu(monkeypatch, tmp_path):
     """Chunked (by tokens and by sorted rows) and unchunked TritonExperts (interpreter) agree;
     workspace shrinks with C; row chunks read fewer weight bytes than token chunks."""
@@ -214,6 +217,7 @@ def test_chunking_orchestration_on_cpu(monkeypatch, tmp_path):
     assert declared[16]["M=16"] == declared[16]["M=256"] < declared[None]["M=256"]
 
 
+@pytest.mark.interpreter
 def test_count_cases_and_sweep_on_cpu(monkeypatch, capsys):
     """Every contender, the histogram variants included, is exact; the sweep ranks launch shapes."""
     from benchmarks.variants.count_histogram import VARIANTS

@@ -46,6 +46,7 @@ def _layer(M, K, N, E, topk, dtype, *, seed=0):
     return hidden, w1, w2, weights, ids
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("cls", CLASSES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("M, K, N, E, topk", [(12, 64, 96, 4, 2), (9, 40, 34, 5, 1)])
@@ -58,6 +59,7 @@ def test_matches_reference(cls, dtype, M, K, N, E, topk):
     assert_close(out, moe_reference(hidden, w1, w2, weights, ids), dtype=dtype)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("cls", CLASSES)
 def test_expert_parallel_two_ranks_sum_to_reference(cls):
     """Each rank holds 3 of 6 experts (interleaved); the ranks' outputs add up to the layer."""
@@ -76,6 +78,7 @@ def test_expert_parallel_two_ranks_sum_to_reference(cls):
     assert_close(total, moe_reference(hidden, w1, w2, weights, ids), dtype=torch.float32)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("cls", CLASSES)
 def test_fp8_block(cls):
     M, K, N, E = 8, 256, 256, 3
@@ -108,6 +111,7 @@ class _RecordingPF(BatchedPrepareFinalize):
         return self.prepared
 
 
+@pytest.mark.interpreter
 def test_chunk_size_is_ignored():
     M, K, N, E = 12, 32, 32, 4
     hidden, w1, w2, weights, ids = _layer(M, K, N, E, 2, torch.float32)
@@ -120,6 +124,7 @@ def test_chunk_size_is_ignored():
     assert_close(out, moe_reference(hidden, w1, w2, weights, ids), dtype=torch.float32)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("cls", CLASSES)
 def test_m_zero_runs_no_experts_and_records_no_chunk(cls):
     hidden, w1, w2, weights, ids = _layer(0, 32, 32, 4, 2, torch.float32)
@@ -178,6 +183,7 @@ def _direct_call(cls, counts, *, meta=True):
     return call, hidden, ids
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("cls", CLASSES)
 def test_empty_experts_and_padding_rows_are_skipped(cls):
     counts = [3, 0, 8, 1]
@@ -201,6 +207,7 @@ def test_apply_needs_matching_tokens_meta(cls):
         cls().apply(call)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("cls", CLASSES)
 def test_fp8_experts_refuse_bf16_weights_and_any_a2_scale(cls):
     hidden, w1, w2, weights, ids = _layer(12, 128, 256, 4, 2, torch.float32)

@@ -12,6 +12,7 @@ from moekit.reference import silu_and_mul as silu_and_mul_ref
 from moekit.testing import assert_close, expect_raises
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("R, H", [(1, 64), (37, 300), (5, 1)])
 def test_silu_and_mul_matches_torch(device, dtype, R, H):

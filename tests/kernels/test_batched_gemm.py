@@ -33,6 +33,7 @@ def _check(c, a, b, counts, dtype):
         assert (c[e, n:] == POISON).all(), f"padding rows of expert {e} were written"
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(
     "E, T, K, N, counts",
@@ -50,6 +51,7 @@ def test_matches_torch_and_skips_padding(dtype, E, T, K, N, counts):
     _check(c, a, b, counts, dtype)
 
 
+@pytest.mark.interpreter
 def test_bf16_is_right_under_the_interpreter():
     """tl.dot on bf16 tiles multiplies bit patterns in the interpreter; the kernel upcasts."""
     a, b = _operands(2, 16, 64, 32, torch.bfloat16)
@@ -61,6 +63,7 @@ def test_bf16_is_right_under_the_interpreter():
     assert moekit.device.interpreting() == (moekit.device.get_device().type == "cpu")
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_zero_padding_writes_zeros_past_the_counts(dtype):
     E, T, K, N = 3, 40, 32, 24
@@ -73,6 +76,7 @@ def test_zero_padding_writes_zeros_past_the_counts(dtype):
         assert (c[e, n:] == 0).all()
 
 
+@pytest.mark.interpreter
 def test_no_tokens_anywhere_writes_nothing():
     a, b = _operands(3, 8, 32, 16, torch.float32)
     c = torch.full((3, 8, 16), POISON)
@@ -80,12 +84,14 @@ def test_no_tokens_anywhere_writes_nothing():
     assert (c == POISON).all()
 
 
+@pytest.mark.interpreter
 def test_counts_above_T_are_clamped():
     a, b = _operands(2, 8, 32, 16, torch.float32)
     c = batched_gemm(a, b, torch.tensor([100, 3], dtype=torch.int32))
     assert_close(c[0], a[0] @ b[0].t(), dtype=torch.float32)
 
 
+@pytest.mark.interpreter
 def test_default_out_dtype_and_empty_slabs():
     a, b = _operands(2, 8, 32, 16, torch.float16)
     assert batched_gemm(a, b, torch.tensor([1, 2], dtype=torch.int32)).dtype == torch.float16
@@ -93,6 +99,7 @@ def test_default_out_dtype_and_empty_slabs():
     assert empty.shape == (2, 0, 16)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("K, N", [(256, 192), (200, 96)])
 def test_fp8_block_scaled(K, N):
     E, T = 2, 16

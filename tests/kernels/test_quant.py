@@ -6,6 +6,7 @@ from moekit.kernels.quant import quantize_fp8_group
 from moekit.quant import dequantize_fp8_per_token_group, quantize_fp8_per_token_group
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("M, K", [(1, 128), (37, 256), (5, 200), (64, 384)])
 def test_matches_the_torch_spec_exactly(dtype, M, K):
@@ -25,6 +26,7 @@ def test_empty_and_bad_input():
         quantize_fp8_group(torch.randn(4, 2, 128))
 
 
+@pytest.mark.interpreter
 def test_an_all_zero_group_keeps_the_scale_floor():
     # Without the floor, 0 / 0 would make the whole group NaN.
     x = torch.randn(3, 384)
@@ -35,6 +37,7 @@ def test_an_all_zero_group_keeps_the_scale_floor():
     assert (q[1, 128:256].float() == 0).all() and torch.equal(q.float(), q_ref.float())
 
 
+@pytest.mark.interpreter
 def test_nan_propagates_as_in_the_torch_spec():
     # max and clamp may drop NaN (the group's scale would stay finite and the NaN become -448);
     # the kernel gives what the spec gives: a NaN scale, so the group dequantizes to NaN. (The

@@ -6,6 +6,7 @@ from moekit.kernels.reduce import weighted_topk_sum
 from moekit.testing import assert_close
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("M, topk, K", [(1, 1, 8), (7, 3, 100), (33, 8, 256), (5, 2, 1500)])
 def test_matches_torch(dtype, M, topk, K):

@@ -116,6 +116,7 @@ def _mk_matrix(world):
     return cases
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_modular_kernel_matches_reference_on_every_rank(world):
     cases = _mk_matrix(world)
@@ -134,6 +135,7 @@ def test_modular_kernel_matches_reference_on_every_rank(world):
     assert world != 2 or crossed
 
 
+@pytest.mark.interpreter
 def test_whole_batch_metadata_is_stale_for_deep_gemm():
     """Bug 2 where it bites: every chunk gets the whole batch's counts; DeepGemm sizes from them."""
     common = dict(E=8, topk=2, K=128, N=128, chunk_size=8, experts="deep_gemm", quant=QuantScheme.FP8_BLOCK,
@@ -233,6 +235,7 @@ def test_needs_a_process_group():
                    quant=QuantScheme.NONE, placement=ExpertPlacement(2, 2, None))
 
 
+@pytest.mark.interpreter
 def test_uneven_expert_placement_over_three_ranks():
     results = launch(uneven_placement, 3, backend="gloo", args=(8,), timeout_s=TIMEOUT)
     assert [len(meta) for _, _, meta in results] == [3, 3, 2]

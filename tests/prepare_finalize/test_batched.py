@@ -59,6 +59,7 @@ def test_prepare_fills_slabs_in_token_order(case):
     assert p.topk_ids is ids and p.topk_weights is weights
 
 
+@pytest.mark.interpreter
 def test_prepare_quantizes_fp8_per_group():
     M, K, E = 6, 200, 3  # K not a multiple of 128: two groups, the second partial
     hidden, weights, ids = _inputs(M, K, E, 2)

@@ -66,6 +66,7 @@ def stage_cases(rank: int, world: int) -> list[str]:
     return problems
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_stage_dispatch_and_combine(world):
     results = launch(stage_cases, world, backend="gloo", timeout_s=TIMEOUT)
@@ -83,6 +84,7 @@ def _mk_cases(world):
     ]
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_modular_kernel_matches_reference_on_every_rank(world):
     cases = _mk_cases(world)
@@ -130,6 +132,7 @@ def errors(rank: int, world: int) -> list[str]:
     return got
 
 
+@pytest.mark.interpreter
 def test_errors_travel_as_flags_and_every_rank_raises():
     r0, r1 = launch(errors, 2, backend="gloo", timeout_s=TIMEOUT)
     common = ["sync: CapacityError True", "ids: InvalidIdsError True", "then ok: True"]
@@ -164,6 +167,7 @@ def reads_nothing_back(rank: int, world: int) -> list[str]:
     return [f"reads: {sorted(set(reads))}", f"close: {torch.allclose(out, want, atol=1e-5)}"]
 
 
+@pytest.mark.interpreter
 def test_after_the_first_call_nothing_is_read_back():
     results = launch(reads_nothing_back, 2, backend="gloo", timeout_s=TIMEOUT)
     assert results == [["reads: []", "close: True"]] * 2, results

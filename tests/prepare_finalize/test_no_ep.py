@@ -29,6 +29,7 @@ def test_unquantized_prepare_passes_through():
     assert NoEPPrepareFinalize.activation_format is ActivationFormat.STANDARD
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("K", [256, 200])  # 200: the last 1x128 group is partial
 def test_fp8_block_quantizes_activations_per_group(dtype, K):
@@ -44,6 +45,7 @@ def test_fp8_block_quantizes_activations_per_group(dtype, K):
     assert_close(dequantize_fp8_per_token_group(p.a1q, p.a1q_scale), hidden, dtype=torch.float8_e4m3fn)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize(
     "E_global, E_local, emap",
     [(6, 6, None), (8, 3, torch.tensor([-1, 2, -1, 0, -1, -1, 1, -1], dtype=torch.int32))],
@@ -64,6 +66,7 @@ def test_return_counts_metadata(E_global, E_local, emap):
     assert repr(pf) == "NoEPPrepareFinalize(return_counts=True)"
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_finalize_weights_and_sums_over_topk(out_dtype):
     M, K, topk = 7, 16, 3

@@ -39,6 +39,7 @@ def test_chunk_counts_empty_input():
     assert viz.chunk_counts(torch.zeros(0, 2, dtype=torch.int32), 4, 8).shape == (0, 8)
 
 
+@pytest.mark.interpreter
 def test_chunk_counts_agree_with_count_kernel():
     import moekit
 

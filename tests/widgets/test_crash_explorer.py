@@ -32,6 +32,7 @@ def test_view_runs_both_loops(M, C):
 
 
 def test_widget_updates_when_a_slider_moves():
+    pytest.importorskip("ipywidgets")
     box = crash_explorer(M=130, C=128, E=4)
     assert box.last_view.error is not None
     sliders = box.children[0].children

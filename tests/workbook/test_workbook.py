@@ -89,6 +89,7 @@ def test_show_solution_prints_the_source(capsys):
 
 
 def test_the_button_reruns_the_check():
+    pytest.importorskip("ipywidgets")
     box = workbook.check_button("recount", lambda: workbook.solution("recount"))
     box.run()
     assert "PASS" in box.children[1].value
