@@ -6,7 +6,8 @@
 # Steps run in priority order, each in its own process under `timeout`, and the whole run stops
 # starting new steps near BUDGET_S seconds (default 470, so it ends inside a 10-minute call).
 # Every step rewrites its JSON after each row, so a step cut short keeps what it measured.
-# It writes at most 8 files into $OUT: log.txt and 6 JSON files.
+# It writes at most 8 files into $OUT: log.txt, 6 JSON files and clocks.csv (SM clock and board
+# power every 250 ms: under sustained GEMMs the H200 sits at its power limit, below top clock).
 # No install and no network: moekit and benchmarks run from this checkout through PYTHONPATH.
 set -u
 cd "$(dirname "$0")/.."
@@ -42,6 +43,12 @@ step() {
 }
 
 say "moekit GPU benchmarks, $(date -u +%FT%TZ), budget ${BUDGET_S}s, results in $OUT"
+CLOCKS_PID=""
+if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv -lms 250 \
+        >"$OUT/clocks.csv" 2>/dev/null &
+    CLOCKS_PID=$!
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,temperature.gpu,power.draw \
     --format=csv 2>&1 | tee -a "$LOG"
 step info 30 "$PY" -c "
@@ -55,7 +62,7 @@ print('torch._grouped_mm:', hasattr(torch, '_grouped_mm'), '| deep_gemm:', statu
 #    host shows as eager > graph instead of hiding in the kernel numbers), profiler split for all,
 #    and the same kernel through GraphedKernel (an eager call that replays a graph).
 step layer-qwen3-bf16 180 "$PY" -m benchmarks.harness layer --shape qwen3_30b_a3b --dtype bf16 \
-    --M 1 128 4096 16384 32768 --graph-max-M 32768 --peers grouped_mm,triton,triton_graphed --phases \
+    --M 1 128 4096 16384 32768 --graph-max-M 32768 --peers grouped_mm,triton,triton_fused,triton_graphed --phases \
     --out "$OUT"
 
 # 2. Chunking cost and workspace bytes against C.
@@ -80,3 +87,11 @@ step layer-qwen3-fp8 60 "$PY" -m benchmarks.harness layer --shape qwen3_30b_a3b 
 say ""
 say "== summary ($(($(date +%s) - START))s elapsed)"
 "$PY" benchmarks/bench_summary.py "$OUT" 2>&1 | tee -a "$LOG"
+if [ -n "$CLOCKS_PID" ]; then
+    kill "$CLOCKS_PID" 2>/dev/null
+    # Samples above 400 W are the loaded ones: their mean clock is what the GEMMs ran at.
+    awk -F', ' 'NR > 1 { split($2, c, " "); split($3, p, " ");
+        if (p[1] > 400) { clk += c[1]; pw += p[1]; n++ } }
+        END { if (n) printf "clocks under load (>400 W): %d samples, mean %.0f MHz, %.0f W\n", n, clk / n, pw / n }' \
+        "$OUT/clocks.csv" | tee -a "$LOG"
+fi
