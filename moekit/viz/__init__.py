@@ -10,7 +10,8 @@ matplotlib is imported inside the functions, so ``import moekit`` does not need 
 - :mod:`moekit.viz.flow`: one forward's data flow, every chunk a box, from its trace;
 - :mod:`moekit.viz.rows`: chunks of expert-sorted rows: the layout strip, rows per (chunk, expert);
 - :mod:`moekit.viz.tables`: tables as text, HTML or a figure; tensor shapes at every step;
-- :mod:`moekit.viz.bench`: the recorded GPU benchmark results against anchors and floors.
+- :mod:`moekit.viz.bench`: the recorded GPU benchmark results against anchors and floors;
+- :mod:`moekit.viz.power`: the SM clock and board power logged beside a benchmark.
 
 The numbers behind the plots (:func:`chunk_counts`, :func:`weight_bytes_read`) are plain torch
 and are tested against the count kernel and the trace.
@@ -39,6 +40,7 @@ from moekit.viz.chunks import (
     weight_bytes_read,
 )
 from moekit.viz.flow import plot_data_flow
+from moekit.viz.power import ClockLog, LoadedSummary, load_clock_log, loaded_summary, plot_clock_log
 from moekit.viz.rows import (
     chunks_per_expert,
     expert_segments,
@@ -50,6 +52,8 @@ from moekit.viz.rows import (
 from moekit.viz.tables import Table, plot_table, shape_rows, table
 
 __all__ = [
+    "ClockLog",
+    "LoadedSummary",
     "Table",
     "bench_results",
     "chunk_counts",
@@ -59,9 +63,12 @@ __all__ = [
     "expert_weight_bytes",
     "latest_result",
     "load_anchors",
+    "load_clock_log",
+    "loaded_summary",
     "new_axes",
     "plot_bench",
     "plot_bench_grid",
+    "plot_clock_log",
     "plot_count_timings",
     "plot_chunks_per_expert",
     "plot_counts_heatmap",
