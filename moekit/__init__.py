@@ -6,7 +6,7 @@ before any ``@triton.jit`` kernel is defined.
 
 from moekit import device  # noqa: I001  (must come first: sets TRITON_INTERPRET)
 from moekit import errors, quant, reference, routing
-from moekit.chunking import ChunkRange, chunk_ranges
+from moekit.plan import Chunk, chunk_ranges
 from moekit.types import (
     ActivationFormat,
     ExpertPlacement,
@@ -31,7 +31,7 @@ _LAZY = {
 
 
 _SUBMODULES = {"api", "backends", "cli", "ep", "experts", "graphed", "integrations", "kernels", "modular_kernel",
-               "policies", "prepare_finalize", "roofline", "testing", "trace", "validate", "viz", "widgets",
+               "plan", "policies", "prepare_finalize", "roofline", "testing", "trace", "validate", "viz", "widgets",
                "workspace"}
 
 
@@ -53,7 +53,7 @@ def __getattr__(name):
 
 __all__ = [
     "ActivationFormat",
-    "ChunkRange",
+    "Chunk",
     "ChunkRecord",
     "ExpertPlacement",
     "ExpertTokensMetadata",

@@ -7,9 +7,9 @@ from collections import OrderedDict
 
 import torch
 
-from moekit.chunking import validate_chunk_size
 from moekit.experts import experts_class
 from moekit.modular_kernel import ModularKernel
+from moekit.plan import validate_chunk_size
 from moekit.prepare_finalize.no_ep import NoEPPrepareFinalize
 from moekit.quant import FP8
 from moekit.types import QuantScheme

@@ -6,13 +6,13 @@
 
     forward(hidden [M, K], w1, w2, topk_weights, topk_ids)
       prepared = prepare_finalize.prepare(...)              # a1q, scales, tokens_meta, ids
-      output   = empty(experts.workspace_shapes(M).output)  # whole-batch, sliced per chunk
-      for (s, e) in chunk_ranges(M, C):
+      plan = planner.plan(...)                              # chunks, and the whole-batch output
+      for chunk in plan.chunks:                             # (s, e) in chunk_ranges(M, C)
+          counts = count_expert_num_tokens(ids[s:e])        # per chunk: the bug-2 fix
           shapes = experts.workspace_shapes(M=e-s)          # per chunk: the bug-1 fix
           ws13, ws2 = pool.take(shapes)                     # reused memory, grows on demand
-          meta = count_expert_num_tokens(ids[s:e])          # per chunk: the bug-2 fix
-          backend = experts.apply(output[s:e], a1q[s:e], ..., ws13, ws2, meta)
-          trace.append(ChunkRecord(s, e, backend, shapes, counts))
+          backend = experts.apply(output[s:e], a1q[s:e], ..., ws13, ws2, counts)
+          trace.add(chunk, backend, shapes, counts)
       return prepare_finalize.finalize(output, prepared)    # [M, K]
 
 Two policies replay the pre-fix loop for teaching (:mod:`moekit.policies`); neither is the
@@ -27,32 +27,33 @@ workspace layout or output slice differs from what its backend declared raises
 WorkspaceShapeError before the experts run, and experts that consume ``tokens_meta`` check that
 it describes their rows. ``guard=False`` runs as upstream did, so the failures are upstream's.
 
-Batched-format experts take no chunks (their slabs are per expert, not per token): one call.
-
-A second chunk plan, ``chunk_by="rows"`` (moekit's own), cuts the expert-sorted rows instead of
-the tokens: see :mod:`moekit.row_plan`.
+The plan is chosen once, in the constructor (:mod:`moekit.plan`): chunks of tokens (the seed's),
+chunks of expert-sorted rows (``chunk_by="rows"``, moekit's own), or, for batched-format experts,
+one call over every expert slab. The same loop runs them all. Arguments are checked once, at the
+door (:meth:`ModularKernel.forward`); nothing inside the loop checks them again.
 """
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
-from moekit.chunking import ChunkRange, chunk_ranges, slice_rows, slice_scales, validate_chunk_size
-from moekit.errors import FormatMismatchError, InvalidInputError, QuantizationError, WorkspaceShapeError
+from moekit.errors import FormatMismatchError, InvalidInputError, MoekitError, QuantizationError
 from moekit.experts.base import Experts
+from moekit.kernels.launch import launch_stream
+from moekit.plan import Batch, RowPlanner, SlabPlanner, TokenPlanner, validate_chunk_size
 from moekit.policies import (
     METADATA_POLICIES,
     WORKSPACE_POLICIES,
     DeclaredOnceWorkspaces,
     PerChunkWorkspaces,
     check_policy,
-    chunk_metadata,
 )
 from moekit.prepare_finalize.base import PrepareFinalize
-from moekit.row_plan import check_row_plan, expert_bytes, run_row_chunks
-from moekit.trace import ChunkRecord, Trace
-from moekit.types import ActivationFormat, ExpertPlacement, ExpertsCall, MoEWeights, Prepared, ProblemSize
-from moekit.validate import check_id_range, check_moe_inputs, check_placement
+from moekit.trace import Trace
+from moekit.types import ActivationFormat, ExpertPlacement, MoEWeights, Prepared, ProblemSize
+from moekit.validate import check_flag, check_id_range, check_moe_inputs, check_placement
 from moekit.workspace import WorkspacePool
 
 CHUNK_BY = ("tokens", "rows")
@@ -64,12 +65,12 @@ class ModularKernel:
     Args:
         prepare_finalize: a :class:`PrepareFinalize` (its activation format must match the
             experts' format; checked here).
-        experts: an :class:`Experts`.
+        experts: an :class:`Experts` (its settings are read once, here).
         chunk_size: tokens per chunk, or None for one chunk. None is the default because
             chunking only bounds workspace memory; it costs speed (each chunk re-reads the
             weights of the experts it touches), and upstream removed it in 2026 (#34086).
         chunk_by: ``"tokens"`` (chunks of C tokens, as upstream) or ``"rows"`` (chunks of
-            ``chunk_size`` expert-sorted rows, a multiple of 128; see the module docstring). Needs
+            ``chunk_size`` expert-sorted rows, a multiple of 128; see :mod:`moekit.plan`). Needs
             experts with ``supports_row_chunks`` and ``workspace_policy="per_chunk"``.
         workspace_policy: ``"per_chunk"`` (the fix) or ``"once"`` (pre-fix, for teaching).
         metadata_policy: ``"per_chunk"`` (the fix) or ``"whole_batch"`` (pre-fix).
@@ -79,7 +80,9 @@ class ModularKernel:
         pool: a :class:`WorkspacePool` to share between layers; by default each kernel has its own.
 
     A kernel (and a pool) serves one forward at a time: concurrent calls from several threads
-    take turns on the pool's lock, so they are correct, not parallel.
+    take turns on the pool's lock, so they are correct, not parallel. :attr:`last_trace` is per
+    thread: each thread reads the trace of its own last call. Inference only: no gradient flows
+    through the kernels, and a forward that would need one raises.
     """
 
     def __init__(
@@ -108,21 +111,46 @@ class ModularKernel:
             )
         if pool is not None and not isinstance(pool, WorkspacePool):
             raise InvalidInputError(f"pool must be a moekit.workspace.WorkspacePool or None, got {type(pool).__name__}")
-        for name, value in (("guard", guard), ("trace_counts", trace_counts)):
-            if not isinstance(value, bool):
-                raise InvalidInputError(f"{name} must be a bool, got {value!r}")
-        self.prepare_finalize = prepare_finalize
-        self.experts = experts
-        self.chunk_size = validate_chunk_size(chunk_size)
-        self.chunk_by = check_policy(chunk_by, CHUNK_BY, "chunk_by")
-        self.workspace_policy = check_policy(workspace_policy, WORKSPACE_POLICIES, "workspace_policy")
-        if self.chunk_by == "rows":
-            check_row_plan(self.chunk_size, experts, self.workspace_policy)
-        self.metadata_policy = check_policy(metadata_policy, METADATA_POLICIES, "metadata_policy")
-        self.guard = guard
-        self.trace_counts = trace_counts
-        self.pool = pool
-        self.last_trace: Trace | None = None
+        self.guard, self.trace_counts = check_flag(guard, "guard"), check_flag(trace_counts, "trace_counts")
+        chunk_size = validate_chunk_size(chunk_size)
+        check_policy(chunk_by, CHUNK_BY, "chunk_by")
+        check_policy(workspace_policy, WORKSPACE_POLICIES, "workspace_policy")
+        check_policy(metadata_policy, METADATA_POLICIES, "metadata_policy")
+        self.prepare_finalize, self.experts, self.pool, self.chunk_by = prepare_finalize, experts, pool, chunk_by
+        if experts.activation_format is ActivationFormat.BATCHED and chunk_by == "tokens":
+            self.planner = SlabPlanner()
+        elif chunk_by == "rows":
+            self.planner = RowPlanner(chunk_size, experts, workspace_policy)
+        else:
+            self.planner = TokenPlanner(chunk_size)
+        self.chunk_size = chunk_size
+        self.workspaces = PerChunkWorkspaces() if workspace_policy == "per_chunk" else DeclaredOnceWorkspaces(
+            experts, guard=guard)  # fmt: skip
+        self.metadata = METADATA_POLICIES[metadata_policy]()
+        self._count_always = trace_counts or experts.uses_tokens_meta
+        self._local = threading.local()
+
+    @property
+    def workspace_policy(self) -> str:
+        return self.workspaces.name
+
+    @property
+    def metadata_policy(self) -> str:
+        return self.metadata.name
+
+    @property
+    def last_trace(self) -> Trace | None:
+        """The trace of this thread's last forward (None before one, or after a call refused at the door)."""
+        return getattr(self._local, "trace", None)
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        del state["_local"]  # traces stay with the process that made them
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._local = threading.local()
 
     def __repr__(self) -> str:
         return (
@@ -160,39 +188,68 @@ class ModularKernel:
 
         Raises:
             InvalidInputError, InvalidIdsError, QuantizationError: bad arguments (checked here,
-                before anything is written, whatever M is).
+                before anything is written, whatever M is). Under a collective prepare/finalize the
+                other ranks are told, so that they raise too.
             WorkspaceShapeError: an experts class declared buffers that do not fit a chunk.
         """
-        weights, placement, problem = self._check(hidden, w1, w2, topk_weights, topk_ids, expert_map,
-                                                  global_num_experts, w1_scale, w2_scale, a2_scale)  # fmt: skip
+        self._local.trace = None
+        try:
+            weights, placement, problem = self._door(hidden, w1, w2, topk_weights, topk_ids, expert_map,
+                                                     global_num_experts, w1_scale, w2_scale, a2_scale)  # fmt: skip
+        except MoekitError as error:
+            if self.prepare_finalize.collective:
+                self.prepare_finalize.refuse(error)
+            raise
         M, K = hidden.shape
         trace = Trace(M, self.chunk_size, self.experts.name, self.workspace_policy, self.metadata_policy,
                       chunk_by=self.chunk_by)  # fmt: skip
-        self.last_trace = trace
+        self._local.trace = trace
         if M == 0 and not self.prepare_finalize.collective:  # upstream divided by zero here (#26523)
             return hidden.new_empty((0, K))
-        pool = self._pool(hidden.device)
+        stream = launch_stream(hidden.device)
+        pool = self.pool if self.pool is not None else self._own_pool(hidden.device)
         with pool.lock:
+            pool.follow(stream)
             prepared = self.prepare_finalize.prepare(
                 hidden, topk_weights, topk_ids, quant=self.experts.quant, placement=placement
             )
             out_dtype = self.experts.compute_dtype(hidden.dtype)
-            if self.experts.activation_format is ActivationFormat.BATCHED:
-                fused_out = self._run_batched(prepared, weights, placement, out_dtype, pool, trace)
-            elif self.chunk_by == "rows":
-                problem = self._rows_problem(prepared, weights, placement)
-                fused_out = run_row_chunks(self, problem, prepared, weights, placement, out_dtype, a2_scale, pool,
-                                           trace)  # fmt: skip
-            else:
-                fused_out = self._run_chunks(prepared, weights, placement, out_dtype, a2_scale, pool, trace)
+            batch = Batch(prepared, weights, placement, self._rows_problem(prepared, problem), out_dtype, a2_scale,
+                          self.guard, stream)  # fmt: skip
+            fused_out = self._experts_pass(batch, pool, trace)
             output = torch.empty((M, K), dtype=hidden.dtype, device=hidden.device)
             return self.prepare_finalize.finalize(fused_out, prepared, output=output)
 
     __call__ = forward
 
+    def _experts_pass(self, batch: Batch, pool: WorkspacePool, trace: Trace) -> torch.Tensor:
+        """The loop: each chunk of the plan is counted, sized, handed its buffers, run and recorded."""
+        plan = self.planner.plan(self.experts, batch, pool)
+        trace.expert_rows, whole_meta = batch.problem.M, batch.prepared.tokens_meta
+        per_expert = batch.weights.expert_bytes
+        for chunk in plan.chunks:
+            counts = self._counts(plan, chunk, whole_meta)
+            meta = self.metadata.tokens_meta(whole_meta, counts, single=plan.single)
+            own = plan.shapes(chunk, meta)
+            given = self.workspaces.given(own, chunk, plan)
+            call = plan.call(chunk, pool.take(given), own, counts, meta)
+            record = trace.add(chunk, plan.backend(chunk), given, own, call.output, counts, per_expert)
+            record.finish(plan.run(self.experts, call), self.experts.why(call.problem))
+        trace.peak_workspace_bytes = pool.peak_bytes
+        return plan.output
+
+    def _counts(self, plan, chunk, whole_meta) -> torch.Tensor | None:
+        """This chunk's rows per local expert, counted at most once: for its metadata, its experts
+        and its trace. One chunk of every row keeps prepare's counts (they are its own)."""
+        if plan.single and whole_meta is not None:
+            return whole_meta.expert_num_tokens
+        if self._count_always or (whole_meta is not None and self.metadata.recounts):
+            return plan.count(chunk)
+        return None
+
     # ----------------------------------------------------------------------------------------
-    def _check(self, hidden, w1, w2, topk_weights, topk_ids, expert_map, global_num_experts,
-               w1_scale, w2_scale, a2_scale) -> tuple[MoEWeights, ExpertPlacement, ProblemSize]:  # fmt: skip
+    def _door(self, hidden, w1, w2, topk_weights, topk_ids, expert_map, global_num_experts,
+              w1_scale, w2_scale, a2_scale) -> tuple[MoEWeights, ExpertPlacement, ProblemSize]:  # fmt: skip
         """Every argument, once, before anything runs (also when M is 0)."""
         check_moe_inputs(hidden, w1, w2, topk_weights, topk_ids)
         weights = MoEWeights(w1, w2, w1_scale, w2_scale)
@@ -217,105 +274,16 @@ class ModularKernel:
             )
         return weights, placement, problem
 
-    def _pool(self, device: torch.device) -> WorkspacePool:
+    def _own_pool(self, device: torch.device) -> WorkspacePool:
         if self.pool is None:
             self.pool = WorkspacePool(device)
         return self.pool
 
-    def _rows_problem(self, prepared: Prepared, weights: MoEWeights, placement: ExpertPlacement) -> ProblemSize:
-        """The sizes the experts see: the rows after prepare (received rows, or slab height)."""
-        _, N, K = weights.w1.shape
-        if self.experts.activation_format is ActivationFormat.BATCHED:
-            M, topk = prepared.a1q.shape[1], prepared.topk_ids.shape[1]  # max tokens per expert
-        else:
-            M, topk = prepared.a1q.shape[0], prepared.topk_ids.shape[1]
-        return ProblemSize(M, N, K, topk, placement.global_num_experts, placement.num_local_experts)
-
-    def _count(self, ids: torch.Tensor, placement: ExpertPlacement) -> torch.Tensor:
-        from moekit.kernels.count import count_expert_num_tokens
-
-        return count_expert_num_tokens(ids, placement.num_local_experts, placement.expert_map)
-
-    def _run_chunks(self, prepared, weights, placement, out_dtype, a2_scale, pool, trace) -> torch.Tensor:
-        experts, act = self.experts, prepared.a1q.dtype
-        problem = self._rows_problem(prepared, weights, placement)
-        trace.expert_rows = problem.M
-        whole = experts.workspace_shapes(problem, act_dtype=act, tokens_meta=prepared.tokens_meta)
-        fused_out = torch.empty(whole.output, dtype=out_dtype, device=prepared.a1q.device)
-        ranges = chunk_ranges(problem.M, self.chunk_size if experts.supports_chunking else None)
-        workspaces = self._workspace_policy(problem, ranges, act, prepared)
-        single = len(ranges) == 1
-        for r in ranges:
-            sub = problem.with_M(r.size)
-            ids = prepared.topk_ids[r.start : r.end]
-            counts = self._chunk_counts(ids, placement, prepared, single)
-            meta = chunk_metadata(self.metadata_policy, prepared.tokens_meta, counts, single=single)
-            own = experts.workspace_shapes(sub, act_dtype=act, tokens_meta=meta)
-            given = workspaces.buffers_for(own, r, sub)
-            out = slice_rows(fused_out, r, problem.M)
-            if self.guard and tuple(out.shape) != own.output:
-                raise WorkspaceShapeError(self._output_message(r, sub, own, whole, out, problem.M))
-            buffers = pool.take(given)
-            call = ExpertsCall(
-                output=out, hidden=prepared.a1q[r.start : r.end],
-                hidden_scale=slice_scales(prepared.a1q_scale, r.start, r.end), topk_ids=ids, weights=weights,
-                workspace13=buffers.workspace13, workspace2=buffers.workspace2, problem=sub, shapes=own,
-                placement=placement, tokens_meta=meta, a2_scale=slice_scales(a2_scale, r.start, r.end),
-                guard=self.guard,
-            )  # fmt: skip
-            record = ChunkRecord(r.index, r.start, r.end, experts.backend_for(sub), given, tuple(out.shape),
-                                 counts, needed=own, completed=False, expert_bytes=expert_bytes(weights))  # fmt: skip
-            trace.chunks.append(record)
-            record.backend = experts.apply(call)
-            record.completed, record.note = True, experts.why(sub)
-        trace.peak_workspace_bytes = pool.peak_bytes
-        return fused_out
-
-    def _workspace_policy(self, problem, ranges: list[ChunkRange], act, prepared):
-        if self.workspace_policy == "per_chunk" or not ranges:
-            return PerChunkWorkspaces()
-        # The parent commit declared the workspaces once, for M = the chunk size.
-        first = problem.with_M(ranges[0].size)
-        declared = self.experts.workspace_shapes(first, act_dtype=act, tokens_meta=prepared.tokens_meta)
-        return DeclaredOnceWorkspaces(declared, self.experts, self.guard)
-
-    def _chunk_counts(self, ids, placement, prepared: Prepared, single: bool) -> torch.Tensor | None:
-        """This chunk's tokens per local expert, counted at most once: for its metadata and its trace."""
-        meta = prepared.tokens_meta
-        if single and meta is not None:
-            return meta.expert_num_tokens  # one chunk of every row: prepare's counts are its own
-        needs_meta = meta is not None and self.metadata_policy == "per_chunk"
-        if needs_meta or self.trace_counts:
-            return self._count(ids, placement)
-        return None
-
-    def _output_message(self, r: ChunkRange, sub: ProblemSize, own, whole, out, M: int) -> str:
-        return (
-            f"{self.experts.name} declared output {own.output} for chunk {r.index} (tokens [{r.start}, "
-            f"{r.end}), backend {self.experts.backend_for(sub)}), but the whole-batch output it declared "
-            f"for M={M} ({whole.output}) slices to {tuple(out.shape)}. Every backend of a dispatching experts class "
-            "must declare the same output layout, with dim 0 proportional to M (the second half of the "
-            "PR #20392 fix). (moekit's guard; upstream asserted equal shapes after the fix.)"
-        )
-
-    def _run_batched(self, prepared, weights, placement, out_dtype, pool, trace) -> torch.Tensor:
-        """Batched format: one call over every slab (no token dimension to chunk)."""
-        problem = self._rows_problem(prepared, weights, placement)
-        trace.expert_rows = problem.M
-        meta = prepared.tokens_meta
-        shapes = self.experts.workspace_shapes(problem, act_dtype=prepared.a1q.dtype, tokens_meta=meta)
-        fused_out = torch.empty(shapes.output, dtype=out_dtype, device=prepared.a1q.device)
-        buffers = pool.take(shapes)
-        call = ExpertsCall(
-            output=fused_out, hidden=prepared.a1q, hidden_scale=prepared.a1q_scale, topk_ids=prepared.topk_ids,
-            weights=weights, workspace13=buffers.workspace13, workspace2=buffers.workspace2, problem=problem,
-            shapes=shapes, placement=placement, tokens_meta=meta, guard=self.guard,
-        )  # fmt: skip
-        counts = meta.expert_num_tokens if meta is not None else None
-        record = ChunkRecord(0, 0, problem.M, self.experts.backend_for(problem), shapes, tuple(fused_out.shape),
-                             counts, completed=False)  # fmt: skip
-        trace.chunks.append(record)
-        record.backend = self.experts.apply(call)
-        record.completed = True
-        trace.peak_workspace_bytes = pool.peak_bytes
-        return fused_out
+    def _rows_problem(self, prepared: Prepared, problem: ProblemSize) -> ProblemSize:
+        """The sizes the experts see: the caller's, or the rows after a dispatch (received rows, or
+        the slab height of the batched format)."""
+        if not self.prepare_finalize.dispatches:
+            return problem
+        rows = prepared.a1q.shape[1 if self.experts.activation_format is ActivationFormat.BATCHED else 0]
+        return ProblemSize(rows, problem.N, problem.K, prepared.topk_ids.shape[1], problem.global_num_experts,
+                           problem.num_local_experts)  # fmt: skip

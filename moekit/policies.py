@@ -22,20 +22,9 @@ the chunk runs in those buffers, as upstream's did.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from moekit.chunking import ChunkRange
 from moekit.errors import InvalidInputError, WorkspaceShapeError
-from moekit.types import ExpertTokensMetadata, ProblemSize, WorkspaceShapes
-
-WORKSPACE_POLICIES = ("per_chunk", "once")
-METADATA_POLICIES = ("per_chunk", "whole_batch")
-
-
-def check_policy(value, allowed: tuple[str, ...], name: str) -> str:
-    if value not in allowed:
-        raise InvalidInputError(f"{name} must be one of {allowed}, got {value!r}")
-    return value
+from moekit.plan import Chunk
+from moekit.types import ExpertTokensMetadata, WorkspaceShapes
 
 
 def same_layout(own: WorkspaceShapes, declared: WorkspaceShapes) -> bool:
@@ -51,30 +40,29 @@ class PerChunkWorkspaces:
 
     name = "per_chunk"
 
-    def buffers_for(self, own: WorkspaceShapes, r: ChunkRange, sub: ProblemSize) -> WorkspaceShapes:
+    def given(self, own: WorkspaceShapes, chunk: Chunk, plan) -> WorkspaceShapes:
         return own
 
 
-@dataclass
 class DeclaredOnceWorkspaces:
     """Before the fix: the shapes declared for the first chunk serve every chunk."""
 
-    declared: WorkspaceShapes
-    experts: object  # the Experts, named in the guard's message
-    guard: bool
     name = "once"
 
-    def buffers_for(self, own: WorkspaceShapes, r: ChunkRange, sub: ProblemSize) -> WorkspaceShapes:
-        if self.guard and not same_layout(own, self.declared):
-            raise WorkspaceShapeError(self._message(own, r, sub))
-        return self.declared
+    def __init__(self, experts, *, guard: bool):
+        self.experts, self.guard = experts, guard  # the experts are named in the guard's message
 
-    def _message(self, own: WorkspaceShapes, r: ChunkRange, sub: ProblemSize) -> str:
-        d, name = self.declared, self.experts.name
+    def given(self, own: WorkspaceShapes, chunk: Chunk, plan) -> WorkspaceShapes:
+        declared = plan.declared_once()
+        if self.guard and not same_layout(own, declared):
+            raise WorkspaceShapeError(self._message(own, declared, chunk, plan))
+        return declared
+
+    def _message(self, own: WorkspaceShapes, d: WorkspaceShapes, chunk: Chunk, plan) -> str:
         return (
-            f"workspace_policy='once': {name} declared its workspaces once, for the first chunk, as "
-            f"workspace13={d.workspace13}, workspace2={d.workspace2} ({d.dtype}). Chunk {r.index} "
-            f"(tokens [{r.start}, {r.end}), M={sub.M}) runs backend '{self.experts.backend_for(sub)}', "
+            f"workspace_policy='once': {self.experts.name} declared its workspaces once, for the first chunk, as "
+            f"workspace13={d.workspace13}, workspace2={d.workspace2} ({d.dtype}). Chunk {chunk.index} "
+            f"(tokens [{chunk.start}, {chunk.end}), M={chunk.size}) runs backend '{plan.backend(chunk)}', "
             f"which declares workspace13={own.workspace13}, workspace2={own.workspace2}. This is "
             "bug 1 of vLLM PR #20392: a dispatching experts class may change backend between "
             "chunks, so workspace shapes must be computed per chunk (workspace_policy='per_chunk'). "
@@ -82,15 +70,34 @@ class DeclaredOnceWorkspaces:
         )
 
 
-def chunk_metadata(
-    policy: str, whole: ExpertTokensMetadata | None, counts, *, single: bool
-) -> ExpertTokensMetadata | None:
-    """The tokens per expert a chunk is handed.
+class PerChunkCounts:
+    """The fix: a chunk is handed its own tokens per expert (recounted; prepare's for one chunk of every row)."""
 
-    ``counts`` are the chunk's own (device) counts, or None when nobody needs them. One chunk
-    covering every row keeps prepare's metadata as it is (nothing to recount).
-    """
-    if whole is None or single or policy == "whole_batch":
+    name = "per_chunk"
+    recounts = True
+
+    def tokens_meta(self, whole: ExpertTokensMetadata | None, counts, *, single: bool) -> ExpertTokensMetadata | None:
+        if whole is None or single:
+            return whole
+        # The CPU copy is blocking on purpose: consumers size buffers from it (upstream #20903).
+        return ExpertTokensMetadata.from_counts(counts, with_cpu=whole.expert_num_tokens_cpu is not None)
+
+
+class WholeBatchCounts:
+    """Before the fix: every chunk is handed the counts prepare returned for the whole batch."""
+
+    name = "whole_batch"
+    recounts = False
+
+    def tokens_meta(self, whole: ExpertTokensMetadata | None, counts, *, single: bool) -> ExpertTokensMetadata | None:
         return whole
-    # The CPU copy is blocking on purpose: consumers size buffers from it (upstream #20903).
-    return ExpertTokensMetadata.from_counts(counts, with_cpu=whole.expert_num_tokens_cpu is not None)
+
+
+WORKSPACE_POLICIES = ("per_chunk", "once")
+METADATA_POLICIES = {"per_chunk": PerChunkCounts, "whole_batch": WholeBatchCounts}
+
+
+def check_policy(value, allowed, name: str) -> str:
+    if not isinstance(value, str) or value not in allowed:
+        raise InvalidInputError(f"{name} must be one of {tuple(allowed)}, got {value!r}")
+    return value

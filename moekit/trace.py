@@ -40,6 +40,10 @@ class ChunkRecord:
         if self.needed is None:
             self.needed = self.shapes
 
+    def finish(self, backend: str, note: str = "") -> None:
+        """The chunk's ``apply`` returned: record the backend that actually ran (and why, if a fallback)."""
+        self.backend, self.note, self.completed = backend, note, True
+
     @property
     def M(self) -> int:
         return self.end - self.start
@@ -98,6 +102,14 @@ class Trace:
 
     def __len__(self) -> int:
         return len(self.chunks)
+
+    def add(self, chunk, backend: str, given: WorkspaceShapes, needed: WorkspaceShapes, output: torch.Tensor,
+            counts: torch.Tensor | None, expert_bytes: int) -> ChunkRecord:  # fmt: skip
+        """Record a chunk before its experts run (``completed`` until :meth:`ChunkRecord.finish`)."""
+        record = ChunkRecord(chunk.index, chunk.start, chunk.end, backend, given, tuple(output.shape), counts,
+                             needed, False, "", expert_bytes)  # fmt: skip
+        self.chunks.append(record)
+        return record
 
     def __iter__(self):
         return iter(self.chunks)

@@ -9,11 +9,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import torch
 
 from moekit.errors import InvalidInputError, QuantizationError, WorkspaceShapeError
 from moekit.quant import FP8, FP8_GROUP
+
+if TYPE_CHECKING:
+    from moekit.plan import Chunk
+
+ALIGN_M = 128  # rows per block of the expert-sorted layout: DeepGEMM's m-alignment, and every Triton tile divides it
 
 
 class ActivationFormat(Enum):
@@ -41,6 +47,8 @@ class QuantScheme(Enum):
 
 
 def _shape(value, what: str) -> tuple[int, ...]:
+    if type(value) is tuple and all(type(d) is int and d >= 0 for d in value):
+        return value
     try:
         shape = tuple(int(d) for d in value)
     except TypeError:
@@ -84,8 +92,11 @@ class ProblemSize:
             )
 
     def with_M(self, M: int) -> ProblemSize:
-        """The same problem for another token count (a chunk)."""
-        return ProblemSize(M, self.N, self.K, self.topk, self.global_num_experts, self.num_local_experts)
+        """The same problem for another row count (a chunk); not validated again: M comes from a plan."""
+        sub = object.__new__(ProblemSize)
+        sub.__dict__.update(self.__dict__)
+        sub.__dict__["M"] = M
+        return sub
 
 
 @dataclass(frozen=True)
@@ -113,7 +124,7 @@ class WorkspaceShapes:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def workspace_bytes(self) -> int:
@@ -170,6 +181,12 @@ class MoEWeights:
     def quant(self) -> QuantScheme:
         return QuantScheme.FP8_BLOCK if self.w1.dtype == FP8 else QuantScheme.NONE
 
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one expert's w1 and w2 and their fp32 block scales: what a chunk reads per expert it touches."""
+        return sum(t[0].numel() * t.element_size() for t in (self.w1, self.w2, self.w1_scale, self.w2_scale)
+                   if t is not None and t.shape[0])  # fmt: skip
+
     def check(self, expected: QuantScheme) -> None:
         """Raise QuantizationError unless the weights match ``expected``."""
         fp8 = FP8
@@ -220,31 +237,37 @@ class Prepared:
     handle: object = None
 
 
-@dataclass
+@dataclass(slots=True)
 class ExpertsCall:
-    """Everything one ``Experts.apply`` call reads and writes (one chunk).
+    """Everything one ``Experts.apply`` (or ``apply_rows``) call reads and writes: one chunk.
 
     The modular kernel has already computed the chunk's sizes (``problem``), the buffers the
-    experts declared for them (``shapes``) and where the experts live (``placement``); ``apply``
-    reads them from here and recomputes none of them.
+    experts declared for them (``shapes``), where the experts live (``placement``) and how many
+    rows go to each local expert (``counts``); ``apply`` reads them from here and recomputes none
+    of them. The fields mean the same for every kind of chunk:
 
-    - ``output``: the chunk's slice of the whole-batch output (``shapes.output`` when every
-      backend declares the same layout, which the kernel's guard checks);
-    - ``hidden``/``hidden_scale``/``topk_ids``: the chunk's rows, their fp8 group scales, their ids;
+    - ``chunk``: which rows to compute (:mod:`moekit.plan`): a ``TokenChunk`` computes every row of
+      ``hidden``; a ``RowChunk`` computes the sorted rows ``[start, end)`` of its ``layout``, which
+      index into ``hidden``; a ``SlabChunk`` computes every expert slab;
+    - ``hidden``/``hidden_scale``/``topk_ids``: the rows the chunk reads, their fp8 group scales,
+      their ids; ``problem``: their sizes;
+    - ``output``: where the chunk writes (its slice of the whole-batch output, or the whole output
+      for a row chunk, which writes the rows of its own pairs);
     - ``workspace13``/``workspace2``: flat 1-D buffers at least ``prod(shapes.workspace13)`` and
       ``prod(shapes.workspace2)`` long; ``apply`` carves its caches out of their first elements
       (what upstream's ``_resize_cache`` did);
-    - ``tokens_meta``: this chunk's tokens per local expert, or None;
+    - ``counts``: int32 ``[E_local]`` rows of this chunk per local expert on the device, counted
+      once by the modular kernel (None when nobody needs them);
+    - ``tokens_meta``: the tokens per local expert the chunk is handed (this chunk's, or, under
+      ``metadata_policy="whole_batch"``, the whole batch's: bug 2), or None;
     - ``a2_scale``: a static scale for the fp8 requantization between the GEMMs, or None;
     - ``guard``: run moekit's own consistency checks (for example that ``tokens_meta`` describes
       these rows). False replays what upstream did without them (``ModularKernel(guard=False)``);
-    - ``layout``/``rows``: for a chunk of expert-sorted rows (``ModularKernel(chunk_by="rows")``),
-      the whole batch's sorted layout (``moekit.kernels.align.AlignedBlocks``, 128-row blocks)
-      and the chunk's rows in it (``moekit.kernels.fused_moe.RowChunk``). Then ``hidden``,
-      ``topk_ids`` and ``output`` are the whole batch's, and ``problem`` its sizes; the chunk
-      writes the outputs of its own pairs only. None for a chunk of tokens.
+    - ``stream``: ``(device index, raw CUDA stream)`` for the launches, or None (the interpreter,
+      or: query it).
     """
 
+    chunk: Chunk
     output: torch.Tensor
     hidden: torch.Tensor
     hidden_scale: torch.Tensor | None
@@ -255,15 +278,19 @@ class ExpertsCall:
     problem: ProblemSize
     shapes: WorkspaceShapes
     placement: ExpertPlacement
+    counts: torch.Tensor | None = None
     tokens_meta: ExpertTokensMetadata | None = None
     a2_scale: torch.Tensor | None = None
     guard: bool = True
-    layout: object = None
-    rows: object = None
+    stream: tuple[int, int] | None = None
 
     @property
     def expert_map(self) -> torch.Tensor | None:
         return self.placement.expert_map
+
+    def tokens_per_expert(self) -> torch.Tensor | None:
+        """What a consumer of the counts reads: the metadata it was handed, else the chunk's own counts."""
+        return self.tokens_meta.expert_num_tokens if self.tokens_meta is not None else self.counts
 
 
 @dataclass(frozen=True)

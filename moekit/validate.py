@@ -13,6 +13,7 @@ from moekit.errors import InvalidIdsError, InvalidInputError
 from moekit.quant import FP8
 from moekit.types import ExpertPlacement
 
+MAX_IDS = 2**31 - 2**20  # ids per kernel call: int32 offsets, with room for a tile past the end and the padding
 _SIGNED_INT = (torch.int8, torch.int16, torch.int32, torch.int64)
 _UNSIGNED_INT = (torch.uint8, torch.uint16, torch.uint32, torch.uint64)
 
@@ -29,6 +30,13 @@ def check_positive_int(
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         want = "a non-negative int" if allow_zero else "a positive int"
         raise error(f"{name} must be {want}, got {value!r}")
+    return value
+
+
+def check_flag(value, name: str) -> bool:
+    """``value`` must be a bool (``"no"`` is truthy: a string flag would silently switch it on)."""
+    if not isinstance(value, bool):
+        raise InvalidInputError(f"{name} must be True or False, got {value!r}")
     return value
 
 
@@ -50,6 +58,23 @@ def check_ids(topk_ids: torch.Tensor, *, name: str = "topk_ids", rank: int | Non
             f"{name} must be contiguous (got strides {topk_ids.stride()} for shape {tuple(topk_ids.shape)}); "
             "call .contiguous() first"
         )
+
+
+def check_numel(topk_ids: torch.Tensor) -> None:
+    """At most :data:`MAX_IDS` ids (the kernels index them with int32 offsets)."""
+    if topk_ids.numel() > MAX_IDS:
+        raise InvalidInputError(f"at most {MAX_IDS} ids per call (int32 offsets), got {topk_ids.numel()}")
+
+
+def check_kernel_device(t: torch.Tensor, name: str) -> None:
+    """``t`` must live where moekit's kernels run: the CPU under the interpreter, else a CUDA GPU."""
+    from moekit.device import interpreting
+
+    kind = t.device.type
+    if interpreting() and kind != "cpu":
+        raise InvalidInputError(f"{name} is on {t.device}, but Triton interprets on the CPU here; move it to the CPU")
+    if not interpreting() and kind != "cuda":
+        raise InvalidInputError(f"{name} is on {t.device}, but Triton compiles for CUDA here; move it to the GPU")
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:

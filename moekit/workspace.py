@@ -39,47 +39,90 @@ class WorkspaceBuffers:
 
 
 class WorkspacePool:
-    """A byte buffer that grows on demand and hands out typed flat buffers of it."""
+    """Byte buffers that grow on demand and hand out typed flat views of themselves.
+
+    Two buffers: the chunks' workspaces (:meth:`take`) and the experts' whole-batch output
+    (:meth:`output`), which finalize reads. The views handed out for a shape are kept and handed
+    out again for the same shape (a torch view costs microseconds of host time), until the buffer
+    grows. The pool pickles (and deep-copies) as an empty pool on the same device.
+    """
 
     def __init__(self, device: torch.device | str):
         self.device = torch.device(device)
-        self._buffer = torch.empty(0, dtype=torch.uint8, device=self.device)
-        self._stream = None
         self.lock = threading.RLock()
         self.grows = 0
         self.requests = 0
         self.peak_bytes = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        empty = torch.empty(0, dtype=torch.uint8, device=self.device)
+        self._buffer, self._out = empty, empty
+        self._views: dict[WorkspaceShapes, WorkspaceBuffers] = {}
+        self._out_views: dict[tuple, torch.Tensor] = {}
+        self._stream = None
+
+    def __getstate__(self) -> dict:
+        return {"device": self.device, "grows": self.grows, "requests": self.requests, "peak_bytes": self.peak_bytes}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.lock = threading.RLock()
+        self._reset()
 
     def take(self, shapes: WorkspaceShapes) -> WorkspaceBuffers:
         """Flat workspace13 and workspace2 for ``shapes``; grows the pool if needed."""
+        self.requests += 1
+        views = self._views.get(shapes)
+        if views is not None:
+            return views
         item = shapes.itemsize
         n13, n2 = math.prod(shapes.workspace13), math.prod(shapes.workspace2)
         off2 = _round_up(n13 * item, _ALIGN)
         need = off2 + n2 * item
-        self.requests += 1
         self.peak_bytes = max(self.peak_bytes, need)
-        self._follow_stream()
         if need > self._buffer.numel():
             # Drop the old buffer first so the peak is the new size, not old + new.
             self._buffer = torch.empty(0, dtype=torch.uint8, device=self.device)
             self._buffer = torch.empty(need, dtype=torch.uint8, device=self.device)
+            self._views.clear()
             self.grows += 1
         raw = self._buffer
-        ws13 = raw[: n13 * item].view(shapes.dtype)
-        ws2 = raw[off2 : off2 + n2 * item].view(shapes.dtype)
-        return WorkspaceBuffers(ws13, ws2)
+        views = WorkspaceBuffers(raw[: n13 * item].view(shapes.dtype), raw[off2 : off2 + n2 * item].view(shapes.dtype))
+        if len(self._views) > 64:
+            self._views.clear()
+        self._views[shapes] = views
+        return views
 
-    def _follow_stream(self) -> None:
-        if self.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+    def output(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A ``shape`` tensor of ``dtype`` for the experts' whole-batch output (uninitialized)."""
+        key = (shape, dtype)
+        view = self._out_views.get(key)
+        if view is not None:
+            return view
+        need = math.prod(shape) * dtype.itemsize
+        if need > self._out.numel():
+            self._out = torch.empty(0, dtype=torch.uint8, device=self.device)
+            self._out = torch.empty(need, dtype=torch.uint8, device=self.device)
+            self._out_views.clear()
+        view = self._out[:need].view(dtype).view(shape)
+        if len(self._out_views) > 64:
+            self._out_views.clear()
+        self._out_views[key] = view
+        return view
+
+    def follow(self, stream: tuple[int, int] | None) -> None:
+        """Before a forward on ``stream`` (``moekit.kernels.launch.launch_stream``): if the pool was last
+        used on another stream, the new one waits for the old one (its kernels may still read the buffers)."""
+        if stream is None or stream == self._stream:
             return
-        stream = torch.cuda.current_stream(self.device)
-        if self._stream is not None and self._stream != stream:
-            stream.wait_stream(self._stream)
-        self._stream = stream
+        if self._stream is not None and not torch.cuda.is_current_stream_capturing():
+            torch.cuda.current_stream(self.device).wait_stream(self._last)
+        self._stream, self._last = stream, torch.cuda.current_stream(self.device)
 
     def release(self) -> None:
         """Free the memory (the next take allocates again)."""
-        self._buffer = torch.empty(0, dtype=torch.uint8, device=self.device)
+        self._reset()
 
 
 _POOLS: dict[str, WorkspacePool] = {}

@@ -5,16 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moekit.chunking import ChunkRange
 from moekit.errors import InvalidInputError, WorkspaceShapeError
 from moekit.experts import TritonExperts
+from moekit.plan import TokenChunk
 from moekit.policies import (
     METADATA_POLICIES,
     WORKSPACE_POLICIES,
     DeclaredOnceWorkspaces,
+    PerChunkCounts,
     PerChunkWorkspaces,
+    WholeBatchCounts,
     check_policy,
-    chunk_metadata,
     same_layout,
 )
 from moekit.testing import expect_raises
@@ -63,31 +64,46 @@ def test_empty_workspaces_match_only_empty_ones():
 # ---------------------------------------------------------------------------------------------
 # the workspace policies
 
-CHUNK = ChunkRange(2, 256, 300)
+CHUNK = TokenChunk(2, 256, 300)
 SUB = ProblemSize(44, 256, 128, 2, 8, 8)
+
+
+class Plan:
+    """The two things a workspace policy asks of a plan."""
+
+    def __init__(self, declared: WorkspaceShapes):
+        self.declared, self.asked = declared, 0
+
+    def declared_once(self) -> WorkspaceShapes:
+        self.asked += 1
+        return self.declared
+
+    def backend(self, chunk) -> str:
+        return TritonExperts().backend_for(SUB)
 
 
 def test_per_chunk_workspaces_hand_each_chunk_its_own():
     own = shapes((44, 2, 256), (88, 128))
     policy = PerChunkWorkspaces()
     assert policy.name == "per_chunk" == WORKSPACE_POLICIES[0]
-    assert policy.buffers_for(own, CHUNK, SUB) is own
+    plan = Plan(shapes((1,), (1,)))
+    assert policy.given(own, CHUNK, plan) is own and plan.asked == 0
 
 
 def test_declared_once_hands_every_chunk_the_first_chunks_shapes():
     declared = shapes((128, 2, 256), (256, 128))
     for guard in (True, False):
-        policy = DeclaredOnceWorkspaces(declared, TritonExperts(), guard)
+        policy = DeclaredOnceWorkspaces(TritonExperts(), guard=guard)
         assert policy.name == "once" and policy.name in WORKSPACE_POLICIES
-        assert policy.buffers_for(shapes((44, 2, 256), (88, 128)), CHUNK, SUB) is declared
+        assert policy.given(shapes((44, 2, 256), (88, 128)), CHUNK, Plan(declared)) is declared
 
 
 def test_declared_once_guard_names_bug_1_and_the_chunk():
     declared = shapes((128, 2, 256), (256, 128))
     other = shapes((300, 512), (300, 512))  # another backend's layout
-    policy = DeclaredOnceWorkspaces(declared, TritonExperts(), guard=True)
+    policy = DeclaredOnceWorkspaces(TritonExperts(), guard=True)
     with expect_raises(WorkspaceShapeError, match="bug 1 of vLLM PR #20392") as caught:
-        policy.buffers_for(other, CHUNK, SUB)
+        policy.given(other, CHUNK, Plan(declared))
     for part in ("TritonExperts declared", "Chunk 2 (tokens [256, 300), M=44)", "backend 'triton'",
                  "workspace13=(128, 2, 256)", "workspace13=(300, 512)", "workspace_policy='per_chunk'"):  # fmt: skip
         assert part in caught.message, part
@@ -95,36 +111,39 @@ def test_declared_once_guard_names_bug_1_and_the_chunk():
 
 def test_declared_once_without_guard_returns_the_declared_shapes_even_when_they_differ():
     declared = shapes((128, 2, 256), (256, 128))
-    policy = DeclaredOnceWorkspaces(declared, TritonExperts(), guard=False)
-    assert policy.buffers_for(shapes((300, 512), (300, 512)), CHUNK, SUB) is declared
+    policy = DeclaredOnceWorkspaces(TritonExperts(), guard=False)
+    assert policy.given(shapes((300, 512), (300, 512)), CHUNK, Plan(declared)) is declared
 
 
 # ---------------------------------------------------------------------------------------------
-# chunk_metadata
+# the metadata policies
 
 
-@pytest.mark.parametrize("policy", METADATA_POLICIES)
+@pytest.mark.parametrize("policy", [PerChunkCounts(), WholeBatchCounts()])
 def test_no_metadata_stays_none(policy):
-    assert chunk_metadata(policy, None, counts(), single=False) is None
-    assert chunk_metadata(policy, None, None, single=True) is None
+    assert policy.tokens_meta(None, counts(), single=False) is None
+    assert policy.tokens_meta(None, None, single=True) is None
 
 
-@pytest.mark.parametrize("policy", METADATA_POLICIES)
+@pytest.mark.parametrize("policy", [PerChunkCounts(), WholeBatchCounts()])
 def test_a_single_chunk_keeps_the_whole_metadata(policy):
     whole = ExpertTokensMetadata.from_counts(counts(), with_cpu=True)
-    assert chunk_metadata(policy, whole, counts(), single=True) is whole
+    assert policy.tokens_meta(whole, counts(), single=True) is whole
 
 
 def test_whole_batch_hands_every_chunk_the_whole_metadata():
     whole = ExpertTokensMetadata.from_counts(counts(), with_cpu=False)
-    assert chunk_metadata("whole_batch", whole, counts(), single=False) is whole
+    policy = WholeBatchCounts()
+    assert policy.tokens_meta(whole, counts(), single=False) is whole and not policy.recounts
 
 
 @pytest.mark.parametrize("with_cpu", [True, False])
 def test_per_chunk_builds_metadata_from_the_chunks_counts(with_cpu):
     whole = ExpertTokensMetadata.from_counts(counts(), with_cpu=with_cpu)
     mine = counts()
-    meta = chunk_metadata("per_chunk", whole, mine, single=False)
+    policy = PerChunkCounts()
+    meta = policy.tokens_meta(whole, mine, single=False)
+    assert policy.recounts
     assert meta is not whole and meta.expert_num_tokens is mine
     if with_cpu:  # a CPU copy only where the whole one had one
         assert meta.expert_num_tokens_cpu.device.type == "cpu"
@@ -138,7 +157,9 @@ def test_per_chunk_builds_metadata_from_the_chunks_counts(with_cpu):
 
 
 def test_check_policy():
-    assert WORKSPACE_POLICIES == ("per_chunk", "once") and METADATA_POLICIES == ("per_chunk", "whole_batch")
+    assert WORKSPACE_POLICIES == ("per_chunk", "once") and tuple(METADATA_POLICIES) == ("per_chunk", "whole_batch")
+    assert {name: cls.name for name, cls in METADATA_POLICIES.items()} == {"per_chunk": "per_chunk",
+                                                                            "whole_batch": "whole_batch"}  # fmt: skip
     for allowed in (WORKSPACE_POLICIES, METADATA_POLICIES):
         for value in allowed:
             assert check_policy(value, allowed, "policy") == value

@@ -18,8 +18,8 @@ from moekit.experts.grouped_mm import GroupedMMExperts
 from moekit.modular_kernel import ModularKernel
 from moekit.prepare_finalize import NoEPPrepareFinalize
 from moekit.reference import count_reference, local_expert_ids
-from moekit.row_plan import ROW_BLOCK
 from moekit.testing import assert_close, expect_raises, make_problem
+from moekit.types import ALIGN_M as ROW_BLOCK
 from moekit.types import QuantScheme
 
 FP8 = QuantScheme.FP8_BLOCK

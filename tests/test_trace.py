@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import moekit
-from moekit.chunking import chunk_ranges
+from moekit.plan import chunk_ranges
 from moekit.experts import TritonExperts
 from moekit.prepare_finalize import NoEPPrepareFinalize
 from moekit.reference import count_reference

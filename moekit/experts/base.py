@@ -44,9 +44,11 @@ class Experts(ABC):
     """Base class of every experts implementation.
 
     Class attributes say what the modular kernel may ask: ``supports_chunking`` (the token
-    dimension may be split), ``supports_row_chunks`` (chunks of expert-sorted rows, see
-    :meth:`row_workspace_shapes`), ``supports_expert_map`` (expert parallelism),
-    ``uses_tokens_meta`` (``apply`` reads the tokens-per-expert counts, so stale ones matter).
+    dimension may be split), ``supports_row_chunks`` (chunks of expert-sorted rows:
+    :meth:`row_workspace_shapes` and :meth:`apply_rows`), ``supports_expert_map`` (expert
+    parallelism), ``uses_tokens_meta`` (``apply`` reads the tokens per expert,
+    :meth:`ExpertsCall.tokens_per_expert`, so stale ones change its result; the modular kernel
+    counts every chunk for it).
     """
 
     activation_format: ClassVar[ActivationFormat] = ActivationFormat.STANDARD
@@ -107,36 +109,44 @@ class Experts(ABC):
     ) -> WorkspaceShapes:
         """Declare workspace13, workspace2 and the output for ``problem`` (this chunk's M)."""
 
-    def row_workspace_shapes(self, rows: int, problem: ProblemSize, *, act_dtype: torch.dtype) -> WorkspaceShapes:
-        """Declare the workspaces for a chunk of ``rows`` expert-sorted rows of the batch ``problem``
-        (``call.rows`` set in ``apply``); the output is the whole batch's ``[M, topk, K]``."""
-        from moekit.errors import InvalidInputError
-
-        raise InvalidInputError(f"{self.name} does not support chunks of sorted rows (chunk_by='rows')")
-
-    def backend_for_rows(self, rows: int, problem: ProblemSize) -> str:
-        """The backend a chunk of ``rows`` sorted rows runs."""
-        return self.backend_for(problem)
-
     @abstractmethod
     def apply(self, call: ExpertsCall) -> str:
-        """Compute the chunk into ``call.output``; return the backend that ran."""
+        """Compute a chunk of tokens (or the slabs) into ``call.output``; return the backend that ran."""
+
+    def row_workspace_shapes(self, rows: int, problem: ProblemSize, *, act_dtype: torch.dtype) -> WorkspaceShapes:
+        """Declare the workspaces for a chunk of ``rows`` expert-sorted rows of the batch ``problem``
+        (:meth:`apply_rows`); the output is the whole batch's ``[M, topk, K]``."""
+        raise InvalidInputError(f"{self.name} does not support chunks of sorted rows (chunk_by='rows')")
+
+    def apply_rows(self, call: ExpertsCall) -> str:
+        """Compute the sorted rows of ``call.chunk`` (a ``RowChunk``) into the pairs' rows of
+        ``call.output``; return the backend that ran."""
+        raise InvalidInputError(f"{self.name} does not support chunks of sorted rows (chunk_by='rows')")
 
     def __repr__(self) -> str:
         return f"{self.name}(quant={self.quant.value})"
 
 
-def carve(buffer: torch.Tensor, shape: tuple[int, ...], *, dtype: torch.dtype | None = None) -> torch.Tensor:
+def carve(
+    buffer: torch.Tensor, shape: tuple[int, ...], *, dtype: torch.dtype | None = None, offset: int = 0
+) -> torch.Tensor:
     """A contiguous ``shape`` view over the first elements of ``buffer`` (upstream's ``_resize_cache``).
 
     ``dtype`` reinterprets the bytes (for example fp8 requantized activations inside a bf16
-    workspace). Any buffer with enough elements fits, whatever shape it was declared with: that
+    workspace); ``offset`` skips that many of ``buffer``'s own elements first. Any buffer with
+    enough elements fits, whatever shape it was declared with: that
     is why, before PR #20392, a smaller Triton chunk could run in DeepGEMM's larger buffers.
+    The view is remembered on ``buffer`` (a torch view costs microseconds of host time, and the
+    pool hands out the same buffers again), so carving the same shape again returns it.
 
     Raises:
         WorkspaceShapeError: the buffer holds fewer elements than ``shape`` needs.
     """
-    flat = buffer.reshape(-1)
+    memo = getattr(buffer, "_moekit_carved", None)
+    key = (shape, dtype, offset)
+    if memo is not None and type(shape) is tuple and key in memo:
+        return memo[key]
+    flat = buffer.reshape(-1)[offset:]
     if dtype is not None and dtype != flat.dtype:
         flat = flat.view(torch.uint8).view(dtype) if flat.numel() else flat.new_empty(0, dtype=dtype)
     need = math.prod(shape)
@@ -144,4 +154,9 @@ def carve(buffer: torch.Tensor, shape: tuple[int, ...], *, dtype: torch.dtype | 
         raise WorkspaceShapeError(
             f"workspace holds {flat.numel()} {flat.dtype} elements, {need} needed for {tuple(shape)}"
         )
-    return flat[:need].view(shape)
+    view = flat[:need].view(shape)
+    if type(shape) is tuple:
+        if memo is None or len(memo) > 32:
+            memo = buffer._moekit_carved = {}
+        memo[key] = view
+    return view

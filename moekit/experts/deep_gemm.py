@@ -34,11 +34,20 @@ import torch
 from moekit.backends import deep_gemm as dg
 from moekit.errors import BackendUnavailableError, InvalidInputError, QuantizationError, StaleMetadataError
 from moekit.experts.base import Experts, carve
+from moekit.kernels.activation import launch_silu_and_mul_fp8_group
 from moekit.kernels.contiguous_gemm import GemmConfig, contiguous_gemm, default_config
-from moekit.kernels.permute import ALIGN_M, ContiguousLayout, permute_to_contiguous, unpermute_from_contiguous
+from moekit.kernels.permute import ContiguousLayout, launch_permute, unpermute_from_contiguous
 from moekit.kernels.positions import gather_positions, scatter_positions
 from moekit.quant import FP8, FP8_GROUP
-from moekit.types import ExpertsCall, ExpertTokensMetadata, MoEWeights, ProblemSize, QuantScheme, WorkspaceShapes
+from moekit.types import (
+    ALIGN_M,
+    ExpertsCall,
+    ExpertTokensMetadata,
+    MoEWeights,
+    ProblemSize,
+    QuantScheme,
+    WorkspaceShapes,
+)
 
 BACKENDS = ("auto", "deep_gemm", "triton")
 
@@ -206,10 +215,6 @@ class DeepGemmExperts(Experts):
 
     def apply(self, call: ExpertsCall) -> str:
         """permute -> GEMM1 -> silu_and_mul + fp8 requant -> GEMM2 -> unpermute into ``call.output``."""
-        if call.rows is not None:
-            return self._apply_rows(call)
-        from moekit.kernels.activation import silu_and_mul_fp8_group
-
         p, w = call.problem, call.weights
         M, N, K, topk, E = p.M, p.N, p.K, p.topk, p.num_local_experts
         ws13 = carve(call.workspace13, call.shapes.workspace13)
@@ -224,16 +229,9 @@ class DeepGemmExperts(Experts):
             total = int(meta.expert_num_tokens_cpu.sum())
             if total > M * topk:  # moekit's check: upstream would size and place rows from them
                 raise StaleMetadataError(stale_counts_message(total, M, topk))
-        if meta is not None:
-            counts = meta.expert_num_tokens
-        else:
-            from moekit.kernels.count import count_expert_num_tokens
-
-            counts = count_expert_num_tokens(call.topk_ids, E, call.expert_map)
-        layout = permute_to_contiguous(
-            call.hidden, call.hidden_scale, call.topk_ids, counts, num_rows=M_sum,
-            expert_map=call.expert_map, out=self._layout(ws2, M_sum, M * topk, E, K),
-        )  # fmt: skip
+        counts = call.tokens_per_expert()  # the modular kernel counted this chunk (or handed stale counts: bug 2)
+        layout = launch_permute(call.hidden, call.hidden_scale, call.topk_ids, counts,
+                                self._layout(ws2, M_sum, M * topk, E, K), expert_map=call.expert_map)  # fmt: skip
         if meta is not None and call.guard and int(layout.flags.item()):  # one sync, outside counts only
             routed = (layout.cursor - layout.expert_start[:-1]).tolist()
             raise StaleMetadataError(
@@ -248,19 +246,18 @@ class DeepGemmExperts(Experts):
         q, q_scale = _fp8_region(ws2.reshape(-1).view(torch.uint8), M_sum, N // 2)  # a is dead now
         q, q_scale = q[:rows], q_scale[:rows]
         static = call.a2_scale.reshape(-1).float() if call.a2_scale is not None else None
-        silu_and_mul_fp8_group(mm1, out_q=q, out_scale=q_scale, static_scale=static)
+        launch_silu_and_mul_fp8_group(mm1, q, q_scale, rows, N // 2, static_scale=static)
         mm2 = carve(ws13, (M_sum, K))
         self._gemm(real, q, q_scale, w.w2, w.w2_scale, mm2[:rows], mi, br)
         unpermute_from_contiguous(mm2, layout.inv_perm, out=call.output)
         return self.backend_for(p)  # "deep_gemm[triton]" if a GEMM fell back on a build failure
 
-    def _apply_rows(self, call: ExpertsCall) -> str:
+    def apply_rows(self, call: ExpertsCall) -> str:
         """One chunk of the batch's sorted rows: it is already DeepGEMM's contiguous layout (128-row
         blocks of one expert each), so gather its rows, run both GEMMs, scatter each pair's row."""
-        from moekit.kernels.activation import silu_and_mul_fp8_group
-
-        p, w, chunk, layout = call.problem, call.weights, call.rows, call.layout
-        R, N, K = chunk.rows, p.N, p.K
+        p, w, chunk = call.problem, call.weights, call.chunk
+        layout = chunk.layout
+        R, N, K = chunk.size, p.N, p.K
         ws13 = carve(call.workspace13, call.shapes.workspace13)
         raw2 = carve(call.workspace2, call.shapes.workspace2).reshape(-1).view(torch.uint8)
         sorted_ids = layout.sorted_token_ids[chunk.start : chunk.end]
@@ -280,7 +277,7 @@ class DeepGemmExperts(Experts):
         self._gemm(real, a, a_scale, w.w1, w.w1_scale, mm1, m_indices, block_rows)
         q, q_scale = _fp8_region(raw2, R, N // 2)  # a is dead now
         static = call.a2_scale.reshape(-1).float() if call.a2_scale is not None else None
-        silu_and_mul_fp8_group(mm1, out_q=q, out_scale=q_scale, static_scale=static)
+        launch_silu_and_mul_fp8_group(mm1, q, q_scale, R, N // 2, static_scale=static)
         mm2 = carve(ws13, (R, K))
         self._gemm(real, q, q_scale, w.w2, w.w2_scale, mm2, m_indices, block_rows)
         scatter_positions(mm2, sorted_ids, experts, numel=layout.numel, expert_block=ALIGN_M, out=call.output)

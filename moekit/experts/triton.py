@@ -25,10 +25,11 @@ import torch
 
 from moekit.errors import QuantizationError
 from moekit.experts.base import Experts, carve
-from moekit.kernels.activation import silu_and_mul, silu_and_mul_fp8_group
-from moekit.kernels.align import AlignedBlocks, moe_align_block_size
+from moekit.kernels.activation import launch_silu_and_mul, launch_silu_and_mul_fp8_group
+from moekit.kernels.align import AlignedBlocks, launch_align
 from moekit.kernels.configs import KernelConfig, get_config
-from moekit.kernels.fused_moe import GatedOutput, RowChunk, fused_moe_gemm
+from moekit.kernels.fused_moe import launch_gemm
+from moekit.kernels.gemm_args import GatedOutput, RowWindow
 from moekit.quant import FP8, FP8_GROUP
 from moekit.types import (
     ActivationFormat,
@@ -108,10 +109,8 @@ class TritonExperts(Experts):
         return cfg1, cfg2
 
     def apply(self, call: ExpertsCall) -> str:
-        """Compute one chunk into ``call.output``; returns ``"triton"``."""
-        if call.rows is not None:
-            return self._apply_rows(call)
-        problem, shapes, w = call.problem, call.shapes, call.weights
+        """Compute one chunk of tokens into ``call.output``; returns ``"triton"``."""
+        problem, shapes, w, stream = call.problem, call.shapes, call.weights, call.stream
         M, N, topk = problem.M, problem.N, problem.topk
         ws13 = carve(call.workspace13, shapes.workspace13)
         ws2 = carve(call.workspace2, shapes.workspace2)
@@ -125,91 +124,91 @@ class TritonExperts(Experts):
         if self.fuse_activation:
             self._fused(call, ws13, blocks1, blocks2, cfg1, cfg2, static)
             return "triton"
-        fused_moe_gemm(
-            call.hidden, w.w1, ws13, blocks1, pairs_per_row=topk, config=cfg1,
-            a_scale=call.hidden_scale, w_scale=w.w1_scale,
-        )  # fmt: skip
-        R = M * topk
+        launch_gemm(call.hidden, w.w1, ws13, blocks1, pairs_per_row=topk, config=cfg1, a_scale=call.hidden_scale,
+                    w_scale=w.w1_scale, stream=stream)  # fmt: skip
+        R, H = M * topk, N // 2
         if not fp8:
-            act = silu_and_mul(ws13.view(R, N), out=ws2)
-            fused_moe_gemm(act, w.w2, call.output, blocks2, pairs_per_row=1, config=cfg2)
+            launch_silu_and_mul(ws13, ws2, R, H, x_stride=N, out_stride=H, stream=stream)
+            launch_gemm(ws2, w.w2, call.output, blocks2, pairs_per_row=1, config=cfg2, stream=stream)
             return "triton"
         # fp8: activation and requantization in one pass, written into workspace2's bytes
         # (the fp8 values, then their fp32 scales); GEMM1's output in workspace13 is read once.
-        q, scale = _fp8_views(ws2, R, N // 2)
+        q, scale = _fp8_views(ws2, R, H)
         if static is not None and static.numel() > 1:  # per token, shared by its topk rows
             static = static.repeat_interleave(topk)
-        silu_and_mul_fp8_group(ws13.view(R, N), out_q=q, out_scale=scale, static_scale=static)
-        fused_moe_gemm(
-            q, w.w2, call.output, blocks2, pairs_per_row=1, config=cfg2, a_scale=scale, w_scale=w.w2_scale
-        )
+        launch_silu_and_mul_fp8_group(carve(ws13, (R, N)), q, scale, R, H, static_scale=static, stream=stream)
+        launch_gemm(q, w.w2, call.output, blocks2, pairs_per_row=1, config=cfg2, a_scale=scale, w_scale=w.w2_scale,
+                    stream=stream)  # fmt: skip
         return "triton"
 
-    def _apply_rows(self, call: ExpertsCall) -> str:
+    def apply_rows(self, call: ExpertsCall) -> str:
         """One chunk of the batch's sorted rows: GEMM1 gathers its tokens and writes the chunk's
         workspace by position, GEMM2 reads it by position and writes each pair's output row."""
-        p, w, chunk, layout = call.problem, call.weights, call.rows, call.layout
-        R, N, H = chunk.rows, p.N, p.N // 2
+        p, w, chunk, stream = call.problem, call.weights, call.chunk, call.stream
+        layout = chunk.layout
+        R, N, H = chunk.size, p.N, p.N // 2
         ws13 = carve(call.workspace13, call.shapes.workspace13)
         cfg1, cfg2 = self.tile_configs(p, call.hidden.dtype)
-        gather = RowChunk(chunk.start, chunk.end, read="pair", write="position")
-        scatter = RowChunk(chunk.start, chunk.end, read="position", write="pair")
+        gather = RowWindow(chunk.start, chunk.end, read="pair", write="position")
+        scatter = RowWindow(chunk.start, chunk.end, read="position", write="pair")
         fp8 = self.quant is QuantScheme.FP8_BLOCK
         static = call.a2_scale.reshape(-1).float() if fp8 and call.a2_scale is not None else None  # per tensor
-        scales1 = dict(a_scale=call.hidden_scale, w_scale=w.w1_scale)
+        scales1 = dict(a_scale=call.hidden_scale, w_scale=w.w1_scale, stream=stream)
         if self.fuse_activation:
             if fp8:
                 q, scale = _fp8_views(ws13, R, H)
                 gated = GatedOutput(out_scale=scale, static_scale=static)
-                fused_moe_gemm(call.hidden, w.w1, q.view(R, 1, H), layout, pairs_per_row=p.topk, config=cfg1,
-                               gated=gated, chunk=gather, **scales1)  # fmt: skip
+                launch_gemm(call.hidden, w.w1, carve(q, (R, 1, H)), layout, pairs_per_row=p.topk, config=cfg1,
+                            gated=gated, chunk=gather, **scales1)  # fmt: skip
                 act, kw = q, dict(a_scale=scale, w_scale=w.w2_scale)
             else:
-                act, kw = ws13.view(R, H), {}
-                fused_moe_gemm(call.hidden, w.w1, ws13, layout, pairs_per_row=p.topk, config=cfg1,
-                               gated=GatedOutput(), chunk=gather)  # fmt: skip
+                act, kw = carve(ws13, (R, H)), {}
+                launch_gemm(call.hidden, w.w1, ws13, layout, pairs_per_row=p.topk, config=cfg1, gated=GatedOutput(),
+                            chunk=gather, stream=stream)  # fmt: skip
         else:
-            fused_moe_gemm(call.hidden, w.w1, ws13, layout, pairs_per_row=p.topk, config=cfg1, chunk=gather, **scales1)
+            launch_gemm(call.hidden, w.w1, ws13, layout, pairs_per_row=p.topk, config=cfg1, chunk=gather, **scales1)
             ws2 = carve(call.workspace2, call.shapes.workspace2)
             if fp8:
                 q, scale = _fp8_views(ws2, R, H)
-                silu_and_mul_fp8_group(ws13.view(R, N), out_q=q, out_scale=scale, static_scale=static)
+                launch_silu_and_mul_fp8_group(carve(ws13, (R, N)), q, scale, R, H, static_scale=static,
+                                              stream=stream)
                 act, kw = q, dict(a_scale=scale, w_scale=w.w2_scale)
             else:
-                act, kw = silu_and_mul(ws13.view(R, N), out=ws2), {}
-        fused_moe_gemm(act, w.w2, call.output, layout, pairs_per_row=1, config=cfg2, chunk=scatter, **kw)
+                act, kw = launch_silu_and_mul(ws13, ws2, R, H, x_stride=N, out_stride=H, stream=stream), {}
+        launch_gemm(act, w.w2, call.output, layout, pairs_per_row=1, config=cfg2, chunk=scatter, stream=stream, **kw)
         return "triton"
 
     @staticmethod
     def _align(call: ExpertsCall, block_m: int) -> AlignedBlocks:
         # keep_empty: empty slots get zero rows too, so every element of the output is written.
         placement = call.placement
-        return moe_align_block_size(
-            call.topk_ids, block_m, placement.global_num_experts, placement.expert_map,
-            num_local_experts=placement.num_local_experts, keep_empty=True,
-        )  # fmt: skip
+        return launch_align(call.topk_ids, block_m, placement.global_num_experts, placement.expert_map,
+                            num_local_experts=placement.num_local_experts, keep_empty=True, stream=call.stream)
 
     def _fused(self, call, ws13, blocks1, blocks2, cfg1, cfg2, static) -> None:
         """GEMM1 with silu_and_mul (and fp8 requantization) in its epilogue, then GEMM2."""
-        w, topk = call.weights, call.problem.topk
+        w, topk, stream = call.weights, call.problem.topk, call.stream
         M, H = call.problem.M, call.problem.N // 2
         if call.hidden.dtype != FP8:
-            act = ws13.view(M, topk, H)
-            fused_moe_gemm(call.hidden, w.w1, act, blocks1, pairs_per_row=topk, config=cfg1, gated=GatedOutput())
-            fused_moe_gemm(act.view(M * topk, H), w.w2, call.output, blocks2, pairs_per_row=1, config=cfg2)
+            act = carve(ws13, (M, topk, H))
+            launch_gemm(call.hidden, w.w1, act, blocks1, pairs_per_row=topk, config=cfg1, gated=GatedOutput(),
+                        stream=stream)  # fmt: skip
+            launch_gemm(carve(ws13, (M * topk, H)), w.w2, call.output, blocks2, pairs_per_row=1, config=cfg2,
+                        stream=stream)  # fmt: skip
             return
         q, scale = _fp8_views(ws13, M * topk, H)
         div = topk if static is not None and static.numel() > 1 else 1
-        fused_moe_gemm(
-            call.hidden, w.w1, q.view(M, topk, H), blocks1, pairs_per_row=topk, config=cfg1,
+        launch_gemm(
+            call.hidden, w.w1, carve(q, (M, topk, H)), blocks1, pairs_per_row=topk, config=cfg1,
             a_scale=call.hidden_scale, w_scale=w.w1_scale,
-            gated=GatedOutput(out_scale=scale, static_scale=static, static_div=div),
+            gated=GatedOutput(out_scale=scale, static_scale=static, static_div=div), stream=stream,
         )  # fmt: skip
-        fused_moe_gemm(q, w.w2, call.output, blocks2, pairs_per_row=1, config=cfg2, a_scale=scale, w_scale=w.w2_scale)
+        launch_gemm(q, w.w2, call.output, blocks2, pairs_per_row=1, config=cfg2, a_scale=scale, w_scale=w.w2_scale,
+                    stream=stream)  # fmt: skip
 
 
 def _fp8_views(buffer: torch.Tensor, R: int, H: int) -> tuple[torch.Tensor, torch.Tensor]:
     """fp8 ``[R, H]`` values, then fp32 ``[R, H/128]`` scales, carved from a bf16 buffer's bytes."""
     q = carve(buffer, (R, H), dtype=FP8)
-    scale = carve(buffer.reshape(-1)[R * H // 2 :], (R, H // FP8_GROUP), dtype=torch.float32)
+    scale = carve(buffer, (R, H // FP8_GROUP), dtype=torch.float32, offset=R * H // 2)
     return q, scale

@@ -51,8 +51,6 @@ class TritonOrDeepGemmExperts(Experts):
             whose chunks cross the switch then fails as upstream did).
     """
 
-    uses_tokens_meta = True
-
     def __init__(
         self, *, quant: QuantScheme = QuantScheme.FP8_BLOCK, deep_gemm_backend: str = "auto", flat_output: bool = False
     ):
@@ -68,6 +66,7 @@ class TritonOrDeepGemmExperts(Experts):
         self.supports_chunking = all(e.supports_chunking for e in subs)
         self.supports_row_chunks = all(e.supports_row_chunks for e in subs)
         self.supports_expert_map = all(e.supports_expert_map for e in subs)
+        self.uses_tokens_meta = any(e.uses_tokens_meta for e in subs)
 
     def __repr__(self) -> str:
         return f"TritonOrDeepGemmExperts(quant={self.quant.value}, deep_gemm={self.deep_gemm!r})"
@@ -115,14 +114,13 @@ class TritonOrDeepGemmExperts(Experts):
         """The shapes of the backend picked for a chunk of ``rows`` sorted rows."""
         return self._pick(problem.with_M(rows)).row_workspace_shapes(rows, problem, act_dtype=act_dtype)
 
-    def backend_for_rows(self, rows: int, problem: ProblemSize) -> str:
-        return self._pick(problem.with_M(rows)).backend_for(problem)
-
     def apply(self, call: ExpertsCall) -> str:
-        """Run the backend picked for this call's M (the same one ``workspace_shapes`` picked);
-        for a chunk of sorted rows, picked by its row count."""
-        sizes = call.problem if call.rows is None else call.problem.with_M(call.rows.rows)
-        return self._pick(sizes).apply(call)
+        """Run the backend picked for this call's M (the same one ``workspace_shapes`` picked)."""
+        return self._pick(call.problem).apply(call)
+
+    def apply_rows(self, call: ExpertsCall) -> str:
+        """Run the backend picked for this chunk's count of sorted rows."""
+        return self._pick(call.problem.with_M(call.chunk.size)).apply_rows(call)
 
 
 __all__ = ["DEEP_GEMM_MIN_M", "TritonOrDeepGemmExperts"]

@@ -21,6 +21,7 @@ import triton.language as tl
 from moekit.device import interpreting
 from moekit.errors import InvalidInputError, QuantizationError
 from moekit.kernels.host_math import cdiv, next_power_of_2
+from moekit.kernels.launch import LeanLauncher, int_spec
 from moekit.quant import FP8, FP8_GROUP, FP8_MAX, TINY_SCALE
 
 
@@ -140,21 +141,32 @@ def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.T
     if out is None:
         out = torch.empty((R, H), dtype=x.dtype, device=x.device)
     _check_out(out, (R, H), x.dtype, x.device, "out")
-    if R == 0 or H == 0:
-        return out
-    if out.stride(-1) != 1:
+    if R and H and out.stride(-1) != 1:
         raise InvalidInputError(f"out must have contiguous rows, got strides {out.stride()}")
+    return launch_silu_and_mul(x, out, R, H, x_stride=x.stride(0) if R else 2 * H, out_stride=out.stride(0) if R else H)
+
+
+_SILU = LeanLauncher(_silu_and_mul_kernel)
+
+
+def launch_silu_and_mul(x: torch.Tensor, out: torch.Tensor, rows: int, width: int, *, x_stride: int, out_stride: int,
+                        stream: tuple[int, int] | None = None) -> torch.Tensor:  # fmt: skip
+    """:func:`silu_and_mul` without its checks: ``rows`` rows of ``2 * width`` in ``x`` (``x_stride`` apart)
+    into rows of ``width`` in ``out`` (``out_stride`` apart). Any tensors holding those rows (flat
+    workspaces too) will do. Returns ``out``."""
+    if rows == 0 or width == 0:
+        return out
     if interpreting():  # few, large programs: the interpreter pays per program
-        BLOCK_H = min(next_power_of_2(H), 256)
+        BLOCK_H = min(next_power_of_2(width), 256)
         BLOCK_R = max(1, 4096 // BLOCK_H)
     else:
-        BLOCK_H = min(next_power_of_2(H), 1024)
+        BLOCK_H = min(next_power_of_2(width), 1024)
         BLOCK_R = max(1, 2048 // BLOCK_H)
-    grid = (cdiv(R, BLOCK_R), cdiv(H, BLOCK_H))
-    _silu_and_mul_kernel[grid](
-        x, out, R, H, x.stride(0), out.stride(0),
-        BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, FIX_ROUNDING=interpreting(),
-    )  # fmt: skip
+    grid = (cdiv(rows, BLOCK_R), cdiv(width, BLOCK_H))
+    key = (x.dtype, out.dtype, BLOCK_R, BLOCK_H, int_spec(rows), int_spec(width), int_spec(x_stride),
+           int_spec(out_stride), x.data_ptr() % 16, out.data_ptr() % 16)  # fmt: skip
+    _SILU(grid, (x, out, rows, width, x_stride, out_stride), key=key,
+          constexprs=lambda: dict(BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, FIX_ROUNDING=interpreting()), stream=stream)
     return out
 
 
@@ -264,26 +276,41 @@ def silu_and_mul_fp8_group(
         else:
             out_scale = torch.empty((R, G), dtype=torch.float32, device=x.device)
     _check_out(out_scale, (R, G), torch.float32, x.device, "out_scale")
-    STATIC = static_scale is not None
-    stride_static = 0
-    if STATIC:
+    if static_scale is not None:
         if static_scale.numel() not in (1, R) or static_scale.dtype != torch.float32:
             raise QuantizationError(
                 f"static_scale must be float32 with 1 (per tensor) or R={R} (per row) elements, "
                 f"got {static_scale.dtype} {tuple(static_scale.shape)}"
             )
         static_scale = static_scale.reshape(-1)
-        stride_static = 0 if static_scale.numel() == 1 else static_scale.stride(0)
-    if R == 0 or H == 0:
-        return out_q, out_scale
-    if out_q.stride(-1) != 1:
+    if R and H and out_q.stride(-1) != 1:
         raise InvalidInputError(f"out_q must have contiguous rows, got strides {out_q.stride()}")
+    return launch_silu_and_mul_fp8_group(x, out_q, out_scale, R, H, group=group, static_scale=static_scale,
+                                         rows_padded=R_pad)  # fmt: skip
+
+
+_SILU_FP8 = LeanLauncher(_silu_and_mul_fp8_group_kernel)
+
+
+def launch_silu_and_mul_fp8_group(
+    x: torch.Tensor, out_q: torch.Tensor, out_scale: torch.Tensor, rows: int, width: int, *, group: int = FP8_GROUP,
+    static_scale: torch.Tensor | None = None, rows_padded: int | None = None, stream: tuple[int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """:func:`silu_and_mul_fp8_group` without its checks: ``x`` ``[rows, 2 * width]`` (contiguous rows),
+    ``out_q`` ``[rows, width]``, ``out_scale`` ``[rows, width / group]`` (any strides); a static scale
+    is flat, 1 or ``rows`` elements."""
+    R_pad = rows if rows_padded is None else rows_padded
+    if rows == 0 or width == 0:
+        return out_q, out_scale
+    static = static_scale is not None
+    stride_static = 0 if not static or static_scale.numel() == 1 else static_scale.stride(0)
     BLOCK_R = max(1, (4096 if interpreting() else 1024) // group)
-    grid = (cdiv(R_pad, BLOCK_R), G)
-    _silu_and_mul_fp8_group_kernel[grid](
-        x, out_q, out_scale, static_scale if STATIC else out_scale,
-        R, R_pad, H, x.stride(0), out_q.stride(0), out_scale.stride(0), out_scale.stride(1), stride_static,
-        GROUP=group, BLOCK_R=BLOCK_R, STATIC=STATIC, FP8_MAX=FP8_MAX, TINY=TINY_SCALE,
-        FIX_ROUNDING=interpreting(),
-    )  # fmt: skip
+    grid = (cdiv(R_pad, BLOCK_R), cdiv(width, group))
+    strides = (x.stride(0), out_q.stride(0), out_scale.stride(0), out_scale.stride(1), stride_static)
+    args = (x, out_q, out_scale, static_scale if static else out_scale, rows, R_pad, width, *strides)
+    key = (x.dtype, group, BLOCK_R, static, int_spec(rows), int_spec(R_pad), int_spec(width),
+           tuple(int_spec(v) for v in strides), x.data_ptr() % 16, out_q.data_ptr() % 16, out_scale.data_ptr() % 16,
+           static_scale.data_ptr() % 16 if static else 0)  # fmt: skip
+    _SILU_FP8(grid, args, key=key, stream=stream, constexprs=lambda: dict(
+        GROUP=group, BLOCK_R=BLOCK_R, STATIC=static, FP8_MAX=FP8_MAX, TINY=TINY_SCALE, FIX_ROUNDING=interpreting()))
     return out_q, out_scale

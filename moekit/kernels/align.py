@@ -31,20 +31,28 @@ deterministic, and equal to a stable sort by bucket.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from moekit.device import interpreting
 from moekit.errors import InvalidInputError
 from moekit.kernels.host_math import cdiv, next_power_of_2
-from moekit.validate import check_expert_map, check_ids, check_positive_int
+from moekit.kernels.launch import LeanLauncher, int_spec
+from moekit.validate import (
+    check_expert_map,
+    check_flag,
+    check_ids,
+    check_kernel_device,
+    check_numel,
+    check_positive_int,
+)
 
 TILE = 128  # pairs per program of the count and scatter kernels; the one-program path's limit
 _FILL = 1024  # entries per store when filling past the last block
-_MAX_NUMEL = 2**31 - 2**20  # int32 positions, with room for the padding
+MAX_BLOCK_M = 1024  # a block's padding is written by one tile of block_m lanes
 
 
 # Sizes change with every M: specializing on them (== 1, % 16) would only add compiles.
@@ -59,9 +67,10 @@ def _bucket_of(ids_ptr, map_ptr, idx, numel, E, num_local, HAS_MAP: tl.constexpr
     g = tl.load(ids_ptr + idx, mask=live, other=-1)
     # Compare in the ids' own dtype: an int64 id cast to int32 first could wrap into range.
     valid = live & (g >= 0) & (g < E)
-    if HAS_MAP:
-        e = tl.load(map_ptr + tl.where(valid, g, 0), mask=valid, other=-1).to(tl.int32)
-        local = valid & (e >= 0) & (e < num_local)
+    if HAS_MAP:  # compare the map's entry in its own dtype too: 2**32 + 1 must not wrap to 1
+        entry = tl.load(map_ptr + tl.where(valid, g, 0), mask=valid, other=-1)
+        local = valid & (entry >= 0) & (entry < num_local)
+        e = tl.where(local, entry, -1).to(tl.int32)
     else:
         e = g.to(tl.int32)
         local = valid & (g < num_local)
@@ -114,12 +123,13 @@ def _fill_tail(sorted_ptr, expert_ids_ptr, post, numel, max_padded, max_blocks, 
 @triton.jit(do_not_specialize=_SIZES)
 def _align_count_kernel(
     # Pointers
-    ids_ptr, map_ptr, counts_ptr,
+    ids_ptr, map_ptr, out_ptr,
     # Sizes
-    numel, E, num_local, num_tiles,
+    numel, E, num_local, num_tiles, counts_off,
     # Meta-parameters
     HAS_MAP: tl.constexpr, KEEP_EMPTY: tl.constexpr, NUM_BINS: tl.constexpr, TILE: tl.constexpr,
 ):
+    counts_ptr = out_ptr + counts_off
     t = tl.program_id(0)
     idx = t * TILE + tl.arange(0, TILE)
     bucket, _ = _bucket_of(ids_ptr, map_ptr, idx, numel, E, num_local, HAS_MAP, KEEP_EMPTY, NUM_BINS - 1)
@@ -133,12 +143,14 @@ def _align_count_kernel(
 @triton.jit(do_not_specialize=_SIZES)
 def _align_scan_kernel(
     # Pointers
-    counts_ptr, totals_ptr,
+    out_ptr,
     # Sizes
-    num_tiles,
+    num_tiles, counts_off, totals_off,
     # Meta-parameters
     BLOCK: tl.constexpr,
 ):
+    counts_ptr = out_ptr + counts_off
+    totals_ptr = out_ptr + totals_off
     b = tl.program_id(0)
     row = counts_ptr + b * num_tiles
     carry = tl.sum(tl.zeros([BLOCK], dtype=tl.int32), axis=0)
@@ -154,13 +166,18 @@ def _align_scan_kernel(
 @triton.jit(do_not_specialize=_SIZES)
 def _align_scatter_kernel(
     # Pointers
-    ids_ptr, map_ptr, offsets_ptr, totals_ptr, sorted_ptr, expert_ids_ptr, post_ptr,
+    ids_ptr, map_ptr, out_ptr,
     # Sizes
-    numel, E, num_local, num_tiles, max_padded, max_blocks,
+    numel, E, num_local, num_tiles, max_padded, max_blocks, expert_off, post_off, counts_off, totals_off,
     # Meta-parameters
     BLOCK_M: tl.constexpr, HAS_MAP: tl.constexpr, KEEP_EMPTY: tl.constexpr, NUM_BINS: tl.constexpr,
     TILE: tl.constexpr, OWNED: tl.constexpr, PAD_W: tl.constexpr, FILL: tl.constexpr,
 ):
+    sorted_ptr = out_ptr
+    expert_ids_ptr = out_ptr + expert_off
+    post_ptr = out_ptr + post_off
+    offsets_ptr = out_ptr + counts_off
+    totals_ptr = out_ptr + totals_off
     t = tl.program_id(0)
     nprog = tl.num_programs(0)
     bins = tl.arange(0, NUM_BINS)
@@ -190,14 +207,17 @@ def _align_scatter_kernel(
 @triton.jit(do_not_specialize=_SIZES)
 def _align_small_kernel(
     # Pointers
-    ids_ptr, map_ptr, sorted_ptr, expert_ids_ptr, post_ptr,
+    ids_ptr, map_ptr, out_ptr,
     # Sizes
-    numel, E, num_local, max_padded, max_blocks,
+    numel, E, num_local, max_padded, max_blocks, expert_off, post_off,
     # Meta-parameters
     BLOCK_M: tl.constexpr, HAS_MAP: tl.constexpr, KEEP_EMPTY: tl.constexpr, NUM_BINS: tl.constexpr,
     TILE: tl.constexpr, PAD_W: tl.constexpr, FILL: tl.constexpr,
 ):
     # All three steps in one program, for inputs of one tile (decode): one launch instead of three.
+    sorted_ptr = out_ptr
+    expert_ids_ptr = out_ptr + expert_off
+    post_ptr = out_ptr + post_off
     offs = tl.arange(0, TILE)
     bins = tl.arange(0, NUM_BINS)
     bucket, expert = _bucket_of(ids_ptr, map_ptr, offs, numel, E, num_local, HAS_MAP, KEEP_EMPTY, NUM_BINS - 1)
@@ -225,19 +245,40 @@ class AlignedBlocks:
 
     Only the first ``num_tokens_post_padded`` entries of ``sorted_token_ids`` and the first
     ``num_tokens_post_padded / block_m`` of ``expert_ids`` are used; the rest hold ``numel`` and
-    -1. Sizes come from an upper bound, so nothing here needed a host sync. The three tensors
-    are views of one allocation.
+    -1. Sizes come from an upper bound, so nothing here needed a host sync. All three live in one
+    int32 ``buffer`` (sorted ids at 0, expert ids at ``expert_offset``, the used rows at
+    ``post_offset``); the kernels take the buffer and the offsets, so a launch makes no views.
     """
 
-    sorted_token_ids: torch.Tensor
-    expert_ids: torch.Tensor
-    num_tokens_post_padded: torch.Tensor
+    buffer: torch.Tensor
+    max_padded: int
+    max_blocks: int
     block_m: int
     numel: int
 
     @property
-    def max_blocks(self) -> int:
-        return self.expert_ids.numel()
+    def expert_offset(self) -> int:
+        return _round32(self.max_padded)
+
+    @property
+    def post_offset(self) -> int:
+        return self.expert_offset + _round32(self.max_blocks)
+
+    @functools.cached_property
+    def sorted_token_ids(self) -> torch.Tensor:
+        return self.buffer[: self.max_padded]
+
+    @functools.cached_property
+    def expert_ids(self) -> torch.Tensor:
+        return self.buffer[self.expert_offset : self.expert_offset + self.max_blocks]
+
+    @functools.cached_property
+    def num_tokens_post_padded(self) -> torch.Tensor:
+        return self.buffer[self.post_offset : self.post_offset + 1]
+
+
+def _round32(n: int) -> int:
+    return -(-n // 32) * 32  # pieces of the buffer start on 128-byte boundaries
 
 
 def max_padded_size(numel: int, num_buckets: int, block_m: int) -> int:
@@ -247,16 +288,25 @@ def max_padded_size(numel: int, num_buckets: int, block_m: int) -> int:
     return cdiv(bound, block_m) * block_m
 
 
-def _check(topk_ids, block_m, global_num_experts, expert_map) -> None:
+def _check(topk_ids, block_m, global_num_experts, expert_map, num_local_experts, keep_empty) -> None:
     check_ids(topk_ids, rank=None)
     check_positive_int(block_m, "block_m")
     check_positive_int(global_num_experts, "global_num_experts")
-    if block_m & (block_m - 1):
-        raise InvalidInputError(f"block_m must be a power of two, got {block_m}")
-    if topk_ids.numel() > _MAX_NUMEL:
-        raise InvalidInputError(f"at most {_MAX_NUMEL} pairs per call (int32 positions), got {topk_ids.numel()}")
-    if topk_ids.device.type == "cpu" and not interpreting():
-        raise InvalidInputError("topk_ids is on the CPU but Triton compiles for CUDA; move it to the GPU")
+    if block_m & (block_m - 1) or block_m > MAX_BLOCK_M:
+        raise InvalidInputError(f"block_m must be a power of two <= {MAX_BLOCK_M}, got {block_m}")
+    if num_local_experts is not None:
+        check_positive_int(num_local_experts, "num_local_experts")
+        if num_local_experts > global_num_experts:
+            raise InvalidInputError(
+                f"num_local_experts={num_local_experts} > global_num_experts={global_num_experts}"
+            )
+    check_flag(keep_empty, "keep_empty")
+    check_numel(topk_ids)
+    if max_padded_size(topk_ids.numel(), global_num_experts + 1, block_m) >= 2**31:
+        raise InvalidInputError(
+            f"{topk_ids.numel()} pairs padded to blocks of {block_m} for {global_num_experts} experts pass int32 positions"
+        )
+    check_kernel_device(topk_ids, "topk_ids")
     if expert_map is not None:
         check_expert_map(expert_map, device=topk_ids.device)
         if expert_map.numel() != global_num_experts:
@@ -326,45 +376,70 @@ def moe_align_block_size(
         InvalidIdsError: ids or map not signed-integer and contiguous.
         InvalidInputError: a bad ``block_m``/``global_num_experts``, or a map of the wrong length.
     """
-    _check(topk_ids, block_m, global_num_experts, expert_map)
+    _check(topk_ids, block_m, global_num_experts, expert_map, num_local_experts, keep_empty)
+    return launch_align(topk_ids, block_m, global_num_experts, expert_map, num_local_experts=num_local_experts,
+                        keep_empty=keep_empty)  # fmt: skip
+
+
+_SMALL = LeanLauncher(_align_small_kernel)
+_COUNT = LeanLauncher(_align_count_kernel)
+_SCAN = LeanLauncher(_align_scan_kernel)
+_SCATTER = LeanLauncher(_align_scatter_kernel)
+
+
+def launch_align(
+    topk_ids: torch.Tensor,
+    block_m: int,
+    global_num_experts: int,
+    expert_map: torch.Tensor | None = None,
+    *,
+    num_local_experts: int | None = None,
+    keep_empty: bool = False,
+    stream: tuple[int, int] | None = None,
+) -> AlignedBlocks:
+    """:func:`moe_align_block_size` without its checks, for callers that checked the ids already."""
     E, numel, device = global_num_experts, topk_ids.numel(), topk_ids.device
     num_local = num_local_experts if num_local_experts is not None else E
     max_padded = max_padded_size(numel, E + 1, block_m)
     max_blocks = max_padded // block_m
     small = numel <= TILE
     num_tiles = 0 if small else cdiv(numel, TILE)
-    # One allocation: outputs, then (three-launch path) counts [E + 1, num_tiles] and totals
-    # [E + 1]. Each piece starts on a 128-byte boundary.
-    sizes = (max_padded, max_blocks, 1, 0 if small else (E + 1) * num_tiles, 0 if small else E + 1)
-    begin = [0]
-    for n in sizes:
-        begin.append(begin[-1] + cdiv(n, 32) * 32)
-    buffer = torch.empty(begin[-1], dtype=torch.int32, device=device)
-    views = (buffer[b : b + n] for b, n in zip(begin[:-1], sizes, strict=True))
-    sorted_ids, expert_ids, post, counts, totals = views
-    out = AlignedBlocks(sorted_ids, expert_ids, post, block_m, numel)
+    out = AlignedBlocks(None, max_padded, max_blocks, block_m, numel)
+    expert_off, post_off = out.expert_offset, out.post_offset
+    # One allocation: outputs, then (three-launch path) counts [E + 1, num_tiles] and totals [E + 1].
+    counts_off = post_off + 32
+    totals_off = counts_off + (0 if small else _round32((E + 1) * num_tiles))
+    out.buffer = torch.empty(totals_off + (0 if small else _round32(E + 1)), dtype=torch.int32, device=device)
     if numel == 0:
-        post.zero_()
+        out.num_tokens_post_padded.zero_()
         return out
     # One spare bin for dropped pairs; tl.histogram wants at least 32 bins.
     NUM_BINS = max(32, next_power_of_2(E + 2))
-    flags = dict(HAS_MAP=expert_map is not None, KEEP_EMPTY=keep_empty, NUM_BINS=NUM_BINS)
-    ids = topk_ids.reshape(-1)
+    has_map = expert_map is not None
+    flags = dict(HAS_MAP=has_map, KEEP_EMPTY=keep_empty, NUM_BINS=NUM_BINS)
+    ids, buf = topk_ids, out.buffer
     dims = (numel, E, num_local)
     pad_w = max(16, block_m)
+    # Every offset is a multiple of 32, sizes are specialized by value class; the ids may be a chunk's
+    # slice (any alignment), the map any int dtype.
+    key = (ids.dtype, None if not has_map else (expert_map.dtype, expert_map.data_ptr() % 16), ids.data_ptr() % 16,
+           block_m, keep_empty, int_spec(E), int_spec(num_local), int_spec(max_padded), int_spec(max_blocks),
+           int_spec(expert_off), int_spec(post_off))  # fmt: skip
     if small:
-        _align_small_kernel[(1,)](
-            ids, expert_map, sorted_ids, expert_ids, post, *dims, max_padded, max_blocks,
-            BLOCK_M=block_m, TILE=max(16, next_power_of_2(numel)), PAD_W=pad_w, FILL=_FILL, **flags,
-            num_warps=4 if NUM_BINS <= 256 else 8,
-        )  # fmt: skip
+        tile = max(16, next_power_of_2(numel))
+        _SMALL((1,), (ids, expert_map, buf, *dims, max_padded, max_blocks, expert_off, post_off), key=key + (tile,),
+               constexprs=lambda: dict(BLOCK_M=block_m, TILE=tile, PAD_W=pad_w, FILL=_FILL, **flags,
+                                       num_warps=4 if NUM_BINS <= 256 else 8), stream=stream)  # fmt: skip
         return out
-    _align_count_kernel[(num_tiles,)](ids, expert_map, counts, *dims, num_tiles, TILE=TILE, **flags)
+    key = key + (int_spec(num_tiles), int_spec(counts_off), int_spec(totals_off))
+    _COUNT((num_tiles,), (ids, expert_map, buf, *dims, num_tiles, counts_off), key=key,
+           constexprs=lambda: dict(TILE=TILE, **flags), stream=stream)  # fmt: skip
     scan_block = min(1024, max(16, next_power_of_2(num_tiles)))
-    _align_scan_kernel[(E + 1,)](counts, totals, num_tiles, BLOCK=scan_block, num_warps=4)
+    _SCAN((E + 1,), (buf, num_tiles, counts_off, totals_off), key=key + (scan_block,),
+          constexprs=lambda: dict(BLOCK=scan_block, num_warps=4), stream=stream)  # fmt: skip
     owned = next_power_of_2(cdiv(E + 1, num_tiles))
-    _align_scatter_kernel[(num_tiles,)](
-        ids, expert_map, counts, totals, sorted_ids, expert_ids, post, *dims, num_tiles, max_padded, max_blocks,
-        BLOCK_M=block_m, TILE=TILE, OWNED=owned, PAD_W=pad_w, FILL=_FILL, **flags,
-    )  # fmt: skip
+    _SCATTER((num_tiles,), (ids, expert_map, buf, *dims, num_tiles, max_padded, max_blocks, expert_off, post_off,
+                            counts_off, totals_off), key=key + (owned,),
+             constexprs=lambda: dict(BLOCK_M=block_m, TILE=TILE, OWNED=owned, PAD_W=pad_w, FILL=_FILL, **flags),
+             stream=stream)  # fmt: skip
     return out

@@ -34,16 +34,16 @@ import triton.language as tl
 from moekit.device import interpreting
 from moekit.errors import InvalidIdsError, InvalidInputError
 from moekit.kernels.host_math import cdiv, next_power_of_2
-from moekit.validate import check_expert_map, check_ids, check_positive_int
+from moekit.kernels.launch import LeanLauncher, int_spec
+from moekit.validate import check_expert_map, check_ids, check_kernel_device, check_numel, check_positive_int
 
 METHODS = ("histogram", "scan")
-MAX_NUMEL = 2**31 - 2**16  # int32 offsets inside the kernels; the last tile may run past numel
 _BLOCK = 4096  # ids per tile of the histogram (smaller inputs take a smaller tile)
 _PROGRAMS_PER_SM = 2  # the histogram's grid is at most this many programs per SM
 _INTERPRETER_SMS = 2  # a pretend SM count: few programs under the interpreter, but more than one
 # tl.histogram takes a `mask` in Triton 3.6 and 3.9. On a release without it, invalid ids go to a
-# spare bin instead (one more bin, same result). Detected once; a test sets it to False.
-HISTOGRAM_HAS_MASK = "mask" in inspect.signature(tl.histogram).parameters
+# spare bin instead (one more bin, same result); `launch_count(masked=False)` takes that path anywhere.
+_HISTOGRAM_HAS_MASK = "mask" in inspect.signature(tl.histogram).parameters
 
 
 @triton.jit
@@ -119,6 +119,10 @@ def _count_histogram_kernel(
         tl.atomic_add(out_ptr + bins, hist, mask=keep & (hist > 0), sem="relaxed")
 
 
+_SCAN = LeanLauncher(_count_scan_kernel)
+_HISTOGRAM = LeanLauncher(_count_histogram_kernel)
+
+
 @functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -141,12 +145,8 @@ def _check(topk_ids, num_local_experts, expert_map, method) -> None:
     check_ids(topk_ids, rank=None)
     if topk_ids.dim() not in (1, 2):
         raise InvalidIdsError(f"topk_ids must be 1-D [numel] or 2-D [M, topk], got shape {tuple(topk_ids.shape)}")
-    if topk_ids.numel() > MAX_NUMEL:
-        raise InvalidInputError(f"at most {MAX_NUMEL} ids per call (int32 offsets), got {topk_ids.numel()}")
-    if topk_ids.device.type not in ("cpu", "cuda"):
-        raise InvalidInputError(f"topk_ids must be on the CPU (interpreter) or a CUDA GPU, got {topk_ids.device}")
-    if topk_ids.device.type == "cpu" and not interpreting():
-        raise InvalidInputError("topk_ids is on the CPU but Triton compiles for CUDA; move it to the GPU")
+    check_numel(topk_ids)
+    check_kernel_device(topk_ids, "topk_ids")
     check_expert_map(expert_map, device=topk_ids.device)
 
 
@@ -197,29 +197,52 @@ def count_expert_num_tokens(
             1-D (map), or the map on another device.
         InvalidInputError: an unknown ``method``, ``num_local_experts`` not a positive int, ids on
             a device Triton cannot run on (the meta device, or the CPU while Triton compiles for
-            CUDA), or more than ``MAX_NUMEL`` ids.
+            CUDA), or more than ``moekit.validate.MAX_IDS`` ids.
     """
     _check(topk_ids, num_local_experts, expert_map, method)
-    numel, device = topk_ids.numel(), topk_ids.device
+    return launch_count(topk_ids, num_local_experts, expert_map, method=method)
+
+
+def launch_count(
+    topk_ids: torch.Tensor,
+    num_local_experts: int,
+    expert_map: torch.Tensor | None = None,
+    *,
+    method: str = "histogram",
+    out: torch.Tensor | None = None,
+    masked: bool = _HISTOGRAM_HAS_MASK,
+    stream: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """:func:`count_expert_num_tokens` without its checks, for callers that checked the ids already
+    (the modular kernel's door). ``out``: an int32 ``[num_local_experts]`` destination; ``masked=False``
+    bins invalid ids into a spare bin instead of masking them (what a Triton without the mask does)."""
+    numel = topk_ids.numel()
+    device = topk_ids.device
     if numel == 0:
-        return torch.zeros(num_local_experts, dtype=torch.int32, device=device)
+        return torch.zeros(num_local_experts, dtype=torch.int32, device=device) if out is None else out.zero_()
     limit = expert_map.numel() if expert_map is not None else num_local_experts
+    has_map = expert_map is not None
+    map_key = expert_map.dtype if has_map else None
     if method == "scan":
-        out = torch.empty(num_local_experts, dtype=torch.int32, device=device)
-        _count_scan_kernel[(num_local_experts,)](
-            topk_ids, expert_map, out, numel, limit, num_local_experts,
-            HAS_MAP=expert_map is not None, BLOCK=next_power_of_2(min(numel, 1024)),
-        )  # fmt: skip
+        out = torch.empty(num_local_experts, dtype=torch.int32, device=device) if out is None else out
+        block = next_power_of_2(min(numel, 1024))
+        key = ("scan", topk_ids.dtype, map_key, block, int_spec(limit), int_spec(num_local_experts),
+               topk_ids.data_ptr() % 16, out.data_ptr() % 16, 0 if not has_map else expert_map.data_ptr() % 16)  # fmt: skip
+        _SCAN((num_local_experts,), (topk_ids, expert_map, out, numel, limit, num_local_experts), key=key,
+              constexprs=lambda: dict(HAS_MAP=has_map, BLOCK=block), stream=stream)  # fmt: skip
         return out
     on_gpu = device.type == "cuda" and not interpreting()
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) if on_gpu else _INTERPRETER_SMS
-    masked = HISTOGRAM_HAS_MASK
     block, grid, warps, bins = _histogram_launch(numel, num_local_experts + (0 if masked else 1), sms)
     solo = grid == 1
-    out = (torch.empty if solo else torch.zeros)(num_local_experts, dtype=torch.int32, device=device)
-    _count_histogram_kernel[(grid,)](
-        topk_ids, expert_map, out, numel, limit, num_local_experts,
-        HAS_MAP=expert_map is not None, BLOCK=block, NUM_BINS=bins, MASKED=masked, SOLO=solo,
-        num_warps=warps,
-    )  # fmt: skip
+    if out is None:
+        out = (torch.empty if solo else torch.zeros)(num_local_experts, dtype=torch.int32, device=device)
+    elif not solo:
+        out.zero_()
+    key = ("hist", topk_ids.dtype, map_key, block, grid == 1, warps, bins, masked, int_spec(limit),
+           int_spec(num_local_experts), topk_ids.data_ptr() % 16, out.data_ptr() % 16,
+           0 if not has_map else expert_map.data_ptr() % 16)  # fmt: skip
+    _HISTOGRAM((grid,), (topk_ids, expert_map, out, numel, limit, num_local_experts), key=key,
+               constexprs=lambda: dict(HAS_MAP=has_map, BLOCK=block, NUM_BINS=bins, MASKED=masked, SOLO=solo,
+                                       num_warps=warps), stream=stream)  # fmt: skip
     return out

@@ -34,8 +34,9 @@ from moekit.device import interpreting
 from moekit.kernels.activation import clamp_fp8, quantize_fp8_rows, round_for_store
 from moekit.kernels.align import AlignedBlocks
 from moekit.kernels.configs import KernelConfig
-from moekit.kernels.gemm_args import GatedOutput, RowChunk, check_gemm_args
+from moekit.kernels.gemm_args import GatedOutput, RowWindow, check_gemm_args
 from moekit.kernels.host_math import cdiv
+from moekit.kernels.launch import LeanLauncher, int_spec
 from moekit.kernels.report import KernelReport, kernel_reports
 from moekit.quant import FP8, FP8_GROUP, FP8_MAX, TINY_SCALE
 
@@ -169,13 +170,12 @@ def _tile(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit(do_not_specialize=["numel", "num_blocks"])  # they change with M: no recompiles
+@triton.jit(do_not_specialize=["numel", "num_blocks", "row_base", "expert_off", "post_off"])  # they change with M
 def _fused_moe_kernel(
     # Pointers
-    a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, sorted_ptr, expert_ids_ptr, post_ptr,
-    out_scale_ptr, static_ptr, w_desc,
+    a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, blocks_ptr, out_scale_ptr, static_ptr, w_desc,
     # Sizes
-    N, K, numel, num_blocks, row_base,
+    N, K, numel, num_blocks, row_base, expert_off, post_off,
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
     stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk,
     stride_osm, stride_osg, stride_static, static_div,
@@ -188,6 +188,11 @@ def _fused_moe_kernel(
     EXPERT_BLOCK: tl.constexpr, READ_BY_POSITION: tl.constexpr, WRITE_BY_POSITION: tl.constexpr,
     TAIL_M: tl.constexpr,
 ):
+    # The layout (moe_align_block_size) is one int32 buffer: sorted pair ids, expert ids, used rows.
+    # This call computes its rows from row_base on.
+    sorted_ptr = blocks_ptr + row_base
+    expert_ids_ptr = blocks_ptr + expert_off + row_base // EXPERT_BLOCK
+    post_ptr = blocks_ptr + post_off
     # N is the output width: with GATED, w has 2N rows (gate rows [0, N), up rows [N, 2N)).
     # GROUP_M row blocks sweep the columns together: neighbouring blocks are usually the same
     # expert, so its weight tiles come from L2 for all of them.
@@ -268,7 +273,7 @@ def fused_moe_gemm(
     a_scale: torch.Tensor | None = None,
     w_scale: torch.Tensor | None = None,
     gated: GatedOutput | None = None,
-    chunk: RowChunk | None = None,
+    chunk: RowWindow | None = None,
 ) -> torch.Tensor:
     """``out[i] = a[i // pairs_per_row] @ w[expert(i)].T`` for every placed pair i; zeros for remote ones.
 
@@ -301,7 +306,7 @@ def fused_moe_gemm(
         w_scale: fp8 only, float32 ``[E, N/128, K/128]``.
         gated: fuse silu_and_mul (and the fp8 requantization) into the epilogue; see
             :class:`GatedOutput`.
-        chunk: compute only rows ``[start, end)`` of the layout, addressed as :class:`RowChunk`
+        chunk: compute only rows ``[start, end)`` of the layout, addressed as :class:`RowWindow`
             says (``out`` then holds ``end - start`` rows where it is written by position).
 
     Returns:
@@ -313,22 +318,49 @@ def fused_moe_gemm(
     """
     # The kernel addresses pair (m, j) at m * stride(0) + j * stride(1) = pair * stride(1), and
     # column n at n * stride(2). Read before the checks, as upstream's launcher did.
+    out.stride(1), out.stride(2)
+    check_gemm_args(a, w, out, blocks, pairs_per_row, config, a_scale, w_scale, gated, chunk)
+    return launch_gemm(a, w, out, blocks, pairs_per_row=pairs_per_row, config=config, a_scale=a_scale,
+                       w_scale=w_scale, gated=gated, chunk=chunk)  # fmt: skip
+
+
+_GEMM = LeanLauncher(_fused_moe_kernel)
+
+
+def launch_gemm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    blocks: AlignedBlocks,
+    *,
+    pairs_per_row: int,
+    config: KernelConfig,
+    a_scale: torch.Tensor | None = None,
+    w_scale: torch.Tensor | None = None,
+    gated: GatedOutput | None = None,
+    chunk: RowWindow | None = None,
+    stream: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """:func:`fused_moe_gemm` without its checks, for the experts (the door checked the forward)."""
     stride_pair, stride_col = out.stride(1), out.stride(2)
     if out.shape[1] == 1:  # topk = 1: a size-1 dim's stride says nothing; pairs step by stride(0)
         stride_pair = out.stride(0)
-    fp8 = check_gemm_args(a, w, out, blocks, pairs_per_row, config, a_scale, w_scale, gated, chunk)
+    fp8 = a.dtype == FP8
     E, N, K = w.shape
     width = N // 2 if gated else N
-    start, end = (0, blocks.sorted_token_ids.numel()) if chunk is None else (chunk.start, chunk.end)
+    start, end = (0, blocks.max_padded) if chunk is None else (chunk.start, chunk.end)
     if blocks.numel == 0 or width == 0 or end == start:
         if chunk is not None and chunk.write == "position" and blocks.numel == 0:
             out.zero_()  # a chunk's workspace rows hold zeros, not stale bytes
         return out
     num_blocks = (end - start) // config.BLOCK_M
-    scales = (a_scale, w_scale, a_scale.stride(0), a_scale.stride(1), *w_scale.stride()) if fp8 else (a, w, 0, 0, 0, 0, 0)
     quant_out = gated is not None and out.dtype == FP8
     static = gated.static_scale if quant_out else None
     out_scale = gated.out_scale if quant_out else out
+    if fp8:
+        scales = (a_scale, w_scale, a_scale.stride(0), a_scale.stride(1), *w_scale.stride())
+    else:
+        scales = (a, w, 0, 0, 0, 0, 0)
     epilogue = (
         out_scale, static if static is not None else out_scale,
         out_scale.stride(0) if quant_out else 0, out_scale.stride(1) if quant_out else 0,
@@ -337,21 +369,29 @@ def fused_moe_gemm(
     )  # fmt: skip
     w_desc = _weight_descriptor(w, config) if config.tma else None
     grid = (num_blocks * cdiv(width, config.BLOCK_N),)
-    _fused_moe_kernel[grid](
-        a, w, out, scales[0], scales[1],
-        blocks.sorted_token_ids[start:end], blocks.expert_ids[start // blocks.block_m :],
-        blocks.num_tokens_post_padded, *epilogue[:2],
-        w if w_desc is None else w_desc,
-        width, K, blocks.numel, num_blocks, start,
-        a.stride(0), a.stride(1), *w.stride(), stride_pair, stride_col, *scales[2:], *epilogue[2:],
-        PAIRS_PER_ROW=pairs_per_row, EVEN_K=K % config.BLOCK_K == 0, IS_FP8=fp8, FP8_GROUP=FP8_GROUP,
-        GATED=gated is not None, QUANT_OUT=quant_out, STATIC_OUT=static is not None, W_TMA=w_desc is not None,
-        UPCAST_BF16=interpreting() and a.dtype == torch.bfloat16,
-        DOT_IEEE=a.dtype == torch.float32, FIX_ROUNDING=interpreting(), FP8_MAX=FP8_MAX, TINY=TINY_SCALE,
-        EXPERT_BLOCK=blocks.block_m, READ_BY_POSITION=chunk is not None and chunk.read == "position",
-        WRITE_BY_POSITION=chunk is not None and chunk.write == "position", TAIL_M=config.TAIL_M,
-        **config.launch,
-    )  # fmt: skip
+    read_pos = chunk is not None and chunk.read == "position"
+    write_pos = chunk is not None and chunk.write == "position"
+    strides = (a.stride(0), a.stride(1), *w.stride(), stride_pair, stride_col, *scales[2:], *epilogue[2:])
+    args = (a, w, out, scales[0], scales[1], blocks.buffer, *epilogue[:2], w if w_desc is None else w_desc,
+            width, K, blocks.numel, num_blocks, start, blocks.expert_offset, blocks.post_offset, *strides)  # fmt: skip
+    # What selects the compiled variant beyond the config and flags: dtypes, the alignment of every
+    # pointer (chunks slice a and out), and the integer class of every specialized size and stride.
+    ptrs = (a, out, scales[0], out_scale, epilogue[1])
+    key = (config, a.dtype, w.dtype, out.dtype, out_scale.dtype, pairs_per_row, gated is not None, quant_out,
+           static is not None, w_desc is not None, read_pos, write_pos, blocks.block_m, int_spec(width), int_spec(K),
+           tuple(int_spec(v) for v in strides), tuple(t.data_ptr() % 16 for t in ptrs), w.data_ptr() % 16)  # fmt: skip
+
+    def constexprs() -> dict:
+        return dict(
+            PAIRS_PER_ROW=pairs_per_row, EVEN_K=K % config.BLOCK_K == 0, IS_FP8=fp8, FP8_GROUP=FP8_GROUP,
+            GATED=gated is not None, QUANT_OUT=quant_out, STATIC_OUT=static is not None, W_TMA=w_desc is not None,
+            UPCAST_BF16=interpreting() and a.dtype == torch.bfloat16,
+            DOT_IEEE=a.dtype == torch.float32, FIX_ROUNDING=interpreting(), FP8_MAX=FP8_MAX, TINY=TINY_SCALE,
+            EXPERT_BLOCK=blocks.block_m, READ_BY_POSITION=read_pos, WRITE_BY_POSITION=write_pos,
+            TAIL_M=config.TAIL_M, **config.launch,
+        )  # fmt: skip
+
+    _GEMM(grid, args, key=key, constexprs=constexprs, stream=stream)
     return out
 
 

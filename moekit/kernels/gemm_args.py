@@ -1,6 +1,6 @@
 """The grouped GEMM's arguments beyond the tensors, and the checks that everything fits together.
 
-:class:`GatedOutput` (GEMM1's fused activation epilogue) and :class:`RowChunk` (rows of the
+:class:`GatedOutput` (GEMM1's fused activation epilogue) and :class:`RowWindow` (rows of the
 sorted layout one call computes) are what :func:`moekit.kernels.fused_moe.fused_moe_gemm` takes;
 :func:`check_gemm_args` is its boundary check, run before anything is launched or written.
 """
@@ -35,9 +35,9 @@ class GatedOutput:
 
 
 @dataclass(frozen=True)
-class RowChunk:
-    """Rows ``[start, end)`` of the sorted layout that one GEMM call computes: a chunk of sorted
-    rows (``ModularKernel(chunk_by="rows")``), instead of every block of the layout.
+class RowWindow:
+    """Rows ``[start, end)`` of the sorted layout that one GEMM call computes, instead of every
+    block of the layout: the GEMMs of a chunk of sorted rows (``ModularKernel(chunk_by="rows")``).
 
     ``read`` and ``write`` say how rows are addressed: ``"pair"`` through ``sorted_token_ids``
     (activations row ``pair // pairs_per_row``, output row ``pair``), or ``"position"``: row r of a
@@ -64,7 +64,7 @@ def check_float_pair(a, w) -> bool:
     return fp8
 
 
-def check_rows(a, out, blocks, pairs_per_row, config, chunk: RowChunk | None) -> None:
+def check_rows(a, out, blocks, pairs_per_row, config, chunk: RowWindow | None) -> None:
     """The rows ``out`` and ``a`` must hold: one per pair, or one per position of a row chunk."""
     M, topk, _ = out.shape
     out_rows = chunk.rows if chunk is not None and chunk.write == "position" else blocks.numel
@@ -86,10 +86,10 @@ def check_rows(a, out, blocks, pairs_per_row, config, chunk: RowChunk | None) ->
         )
     if chunk is not None and (chunk.read not in ("pair", "position") or chunk.write not in ("pair", "position")
                               or chunk.start % blocks.block_m or chunk.rows % config.BLOCK_M or chunk.rows < 0
-                              or chunk.end > blocks.sorted_token_ids.numel()):  # fmt: skip
+                              or chunk.end > blocks.max_padded):  # fmt: skip
         raise InvalidInputError(
             f"a row chunk must start on a block of {blocks.block_m} rows and hold whole tiles of {config.BLOCK_M} "
-            f"inside the layout's {blocks.sorted_token_ids.numel()} rows, got {chunk}"
+            f"inside the layout's {blocks.max_padded} rows, got {chunk}"
         )
 
 

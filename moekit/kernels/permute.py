@@ -36,9 +36,9 @@ import triton.language as tl
 from moekit.errors import InvalidInputError
 from moekit.kernels.host_math import cdiv, next_power_of_2
 from moekit.quant import FP8, FP8_GROUP
+from moekit.types import ALIGN_M
 from moekit.validate import check_ids
 
-ALIGN_M = 128  # rows per block of the contiguous layout (DeepGEMM's m-alignment on Hopper)
 OVERFLOW = 1  # ContiguousLayout.flags bits
 MISMATCH = 2
 
@@ -130,12 +130,14 @@ def _scatter_rows_kernel(
     j = tl.arange(0, TOPK)
     jmask = j < topk
     ids = tl.load(topk_ids_ptr + m * topk + j, mask=jmask, other=-1).to(tl.int32)
-    if HAS_MAP:
+    if HAS_MAP:  # the map's entry is compared in its own dtype: 2**32 + 1 must not wrap to 1
         in_map = jmask & (ids >= 0) & (ids < num_global)
-        local = tl.load(expert_map_ptr + ids, mask=in_map, other=-1).to(tl.int32)
+        entry = tl.load(expert_map_ptr + ids, mask=in_map, other=-1)
+        valid = jmask & (entry >= 0) & (entry < num_experts)
+        local = tl.where(valid, entry, -1).to(tl.int32)
     else:
         local = ids
-    valid = jmask & (local >= 0) & (local < num_experts)
+        valid = jmask & (local >= 0) & (local < num_experts)
     dest = tl.atomic_add(cursor_ptr + local, 1, mask=valid)
     end = tl.load(expert_start_ptr + local + 1, mask=valid, other=0)
     # Counts that undercount an expert would push rows into the next segment (or past the
@@ -247,6 +249,14 @@ def permute_to_contiguous(
             f"layout buffers are a {tuple(layout.a.shape)}, inv_perm {layout.inv_perm.numel()}, cursor "
             f"{layout.cursor.numel()}; expected {(num_rows, K)}, {M * topk}, {E}"
         )
+    return launch_permute(a1q, a1q_scale, topk_ids, counts, layout, expert_map=expert_map)
+
+
+def launch_permute(a1q, a1q_scale, topk_ids, counts, layout: ContiguousLayout, *, expert_map=None) -> ContiguousLayout:
+    """:func:`permute_to_contiguous` without its checks, into ``layout``'s buffers (for the experts)."""
+    M, K = a1q.shape
+    topk, E, num_rows = topk_ids.shape[1], counts.numel(), layout.a.shape[0]
+    G = layout.a_scale.shape[1]
     BLOCK_E = next_power_of_2(E)
     _expert_offsets_kernel[(1,)](
         counts, layout.expert_start, layout.cursor, layout.flags, E, num_rows, ALIGN_M=ALIGN_M, BLOCK_E=BLOCK_E

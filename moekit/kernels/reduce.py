@@ -18,6 +18,7 @@ import triton.language as tl
 
 from moekit.errors import InvalidInputError
 from moekit.kernels.host_math import cdiv, next_power_of_2
+from moekit.kernels.launch import LeanLauncher, int_spec
 
 
 @triton.jit
@@ -64,11 +65,26 @@ def weighted_topk_sum(fused_out: torch.Tensor, topk_weights: torch.Tensor, out: 
         raise InvalidInputError(
             f"fused_out must be a contiguous [M, topk, K] = {(M, topk, K)} tensor, got {tuple(fused_out.shape)}"
         )
+    if not out.is_contiguous():
+        raise InvalidInputError(f"out must be a contiguous [M, K] tensor, got strides {out.stride()}")
+    return launch_weighted_topk_sum(fused_out, topk_weights.contiguous(), out)
+
+
+_REDUCE = LeanLauncher(_weighted_topk_sum_kernel)
+
+
+def launch_weighted_topk_sum(fused_out: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor, *,
+                             stream: tuple[int, int] | None = None) -> torch.Tensor:  # fmt: skip
+    """:func:`weighted_topk_sum` without its checks (all three contiguous, shapes as documented there)."""
+    M, K = out.shape
     if M == 0:
         return out
-    weights = topk_weights.contiguous()
+    topk = topk_weights.shape[1]
     BLOCK_K = min(1024, next_power_of_2(K))
     BLOCK_M = max(1, min(16, 4096 // BLOCK_K))
     grid = (cdiv(M, BLOCK_M), cdiv(K, BLOCK_K))
-    _weighted_topk_sum_kernel[grid](fused_out, weights, out, M, K, TOPK=topk, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
+    key = (fused_out.dtype, topk_weights.dtype, out.dtype, topk, BLOCK_M, BLOCK_K, int_spec(M), int_spec(K),
+           fused_out.data_ptr() % 16, topk_weights.data_ptr() % 16, out.data_ptr() % 16)  # fmt: skip
+    _REDUCE(grid, (fused_out, topk_weights, out, M, K), key=key,
+            constexprs=lambda: dict(TOPK=topk, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K), stream=stream)
     return out

@@ -43,6 +43,12 @@ class PrepareFinalize(ABC):
     ) -> Prepared:
         """Quantize as ``quant`` asks (and dispatch); return what the experts consume."""
 
+    def refuse(self, error: Exception) -> None:
+        """Called by the modular kernel when its door rejects this rank's inputs, before it raises
+        ``error``. A collective stage tells its peers, so that they raise too, within its timeout;
+        the default does nothing."""
+        return None
+
     @abstractmethod
     def finalize(self, fused_out: torch.Tensor, prepared: Prepared, *, output: torch.Tensor) -> torch.Tensor:
         """Weight by topk_weights and reduce over topk into ``output [M, K]``; return it."""
@@ -61,7 +67,10 @@ def quantize_activations(x: torch.Tensor, quant: QuantScheme) -> tuple[torch.Ten
 
 
 def weight_and_reduce(fused_out: torch.Tensor, topk_weights: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
-    """``output[m] = sum_j topk_weights[m, j] * fused_out[m, j]`` (one Triton pass, fp32 accumulation)."""
-    from moekit.kernels.reduce import weighted_topk_sum
+    """``output[m] = sum_j topk_weights[m, j] * fused_out[m, j]`` (one Triton pass, fp32 accumulation).
 
-    return weighted_topk_sum(fused_out.contiguous(), topk_weights, output)
+    The arguments were checked at the modular kernel's door: ``fused_out`` is the experts' own
+    contiguous output, ``output`` a fresh ``[M, K]`` tensor."""
+    from moekit.kernels.reduce import launch_weighted_topk_sum
+
+    return launch_weighted_topk_sum(fused_out, topk_weights.contiguous(), output)

@@ -19,7 +19,7 @@ def chunk_counts(
     >>> chunk_counts(ids, 2, 4).tolist()
     [[1, 2, 1, 0], [0, 0, 1, 1]]
     """
-    from moekit.chunking import chunk_ranges
+    from moekit.plan import chunk_ranges
     from moekit.reference import local_expert_ids
 
     M = topk_ids.shape[0]

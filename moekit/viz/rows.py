@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from moekit.types import ALIGN_M as BLOCK  # the layout's block
 from moekit.viz._figure import axes_or_new, colors, integer_ticks, to_numpy
-
-BLOCK = 128  # the layout's block (moekit.row_plan.ROW_BLOCK)
 
 
 def expert_segments(counts: torch.Tensor, *, block: int = BLOCK) -> torch.Tensor:

@@ -35,7 +35,7 @@ def random_ids(M, topk, E, *, seed, dtype=torch.int32, empty_every=None):
 def check_chunk_plan(chunk_plan, chunk_inputs) -> int:
     """``chunk_plan(M, C)`` must equal :func:`moekit.chunk_ranges`; ``chunk_inputs`` must return
     views of the batch's rows and pass a per-tensor scale whole (#28728 sliced it empty)."""
-    from moekit.chunking import chunk_ranges
+    from moekit.plan import chunk_ranges
 
     cases = 0
     for M in MS:

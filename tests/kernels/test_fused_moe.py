@@ -257,7 +257,7 @@ def test_a_2d_out_fails_where_upstream_did(device):
 
 
 # ---------------------------------------------------------------------------------------------
-# RowChunk: one chunk of the sorted layout's rows, written by position then read back by position
+# RowWindow: one chunk of the sorted layout's rows, written by position then read back by position
 
 
 @pytest.mark.parametrize("block_m", [16, 32])
@@ -265,7 +265,7 @@ def test_row_chunks_by_position_compose_to_the_whole_layout(device, block_m):
     """GEMM1 of each 64-row chunk (read by pair, write by position) then GEMM2 (read by position,
     write by pair) gives, over all chunks, what one call over every block gives; padding positions
     hold finite values, remote blocks zeros."""
-    from moekit.kernels.fused_moe import RowChunk
+    from moekit.kernels.gemm_args import RowWindow
 
     E, M, topk, K, N = 5, 30, 2, 64, 64
     ids = torch.randint(-1, E, (M, topk), device=device)
@@ -279,10 +279,10 @@ def test_row_chunks_by_position_compose_to_the_whole_layout(device, block_m):
     total = blocks.sorted_token_ids.numel()
     for s in range(0, total, 64):
         ws = torch.full((64, 1, N), float("nan"), device=device)
-        fused_moe_gemm(a, w1, ws, blocks, pairs_per_row=topk, config=cfg, chunk=RowChunk(s, s + 64, write="position"))
+        fused_moe_gemm(a, w1, ws, blocks, pairs_per_row=topk, config=cfg, chunk=RowWindow(s, s + 64, write="position"))
         assert ws.isfinite().all()
         fused_moe_gemm(ws.view(64, N), w2, out, blocks, pairs_per_row=1, config=cfg,
-                       chunk=RowChunk(s, s + 64, read="position"))  # fmt: skip
+                       chunk=RowWindow(s, s + 64, read="position"))  # fmt: skip
     mid = gemm_spec(a, w1, ids, topk, emap)
     want = torch.stack([w2[int(emap[g])] @ mid[i] if g >= 0 and emap[g] >= 0 else torch.zeros(K, device=device)
                         for i, g in enumerate(ids.reshape(-1).tolist())])  # fmt: skip
@@ -290,13 +290,13 @@ def test_row_chunks_by_position_compose_to_the_whole_layout(device, block_m):
 
 
 def test_a_row_chunk_off_the_blocks_is_named(device):
-    from moekit.kernels.fused_moe import RowChunk
+    from moekit.kernels.gemm_args import RowWindow
 
     ids = torch.randint(0, 4, (8, 2), device=device)
     blocks = moe_align_block_size(ids, 32, 4)
     a, w = torch.randn(8, 64, device=device), torch.randn(4, 64, 64, device=device)
     ws = torch.empty(32, 1, 64, device=device)
     with expect_raises(InvalidInputError, match="must start on a block of 32"):
-        fused_moe_gemm(a, w, ws, blocks, pairs_per_row=2, config=CFG, chunk=RowChunk(16, 48, write="position"))
+        fused_moe_gemm(a, w, ws, blocks, pairs_per_row=2, config=CFG, chunk=RowWindow(16, 48, write="position"))
     with expect_raises(InvalidInputError, match="out must hold 32 rows"):
-        fused_moe_gemm(a, w, ws[:16], blocks, pairs_per_row=2, config=CFG, chunk=RowChunk(0, 32, write="position"))
+        fused_moe_gemm(a, w, ws[:16], blocks, pairs_per_row=2, config=CFG, chunk=RowWindow(0, 32, write="position"))

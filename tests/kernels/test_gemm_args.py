@@ -7,7 +7,7 @@ import torch
 from moekit.errors import InvalidInputError, QuantizationError
 from moekit.kernels.align import moe_align_block_size
 from moekit.kernels.configs import KernelConfig
-from moekit.kernels.gemm_args import GatedOutput, RowChunk, check_gemm_args
+from moekit.kernels.gemm_args import GatedOutput, RowWindow, check_gemm_args
 from moekit.testing import expect_raises
 
 CFG = KernelConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64)
@@ -35,7 +35,7 @@ def test_mismatches_are_named(device):
     with expect_raises(InvalidInputError, "BLOCK_M=16"):
         check_gemm_args(a, w, out, blocks, 2, KernelConfig(32, 64, 64), None, None, None)
     with expect_raises(InvalidInputError, "row chunk"):
-        check_gemm_args(a, w, out, blocks, 2, CFG, None, None, None, RowChunk(start=8, end=24))
+        check_gemm_args(a, w, out, blocks, 2, CFG, None, None, None, RowWindow(start=8, end=24))
     with expect_raises(QuantizationError, "both be fp8"):
         check_gemm_args(a.to(torch.float8_e4m3fn), w, out, blocks, 2, CFG, None, None, None)
 

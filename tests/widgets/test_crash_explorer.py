@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from moekit.chunking import chunk_ranges
+from moekit.plan import chunk_ranges
 from moekit.widgets import CrashParams, crash_explorer, crash_view
 
 pytest.importorskip("matplotlib")

@@ -1,8 +1,12 @@
+"""moekit.plan: the chunk records and the token ranges (the planners run in test_modular_kernel and test_row_plan)."""
+
+import dataclasses
+
 import pytest
 import torch
 
-from moekit.chunking import chunk_ranges, slice_rows, slice_scales, validate_chunk_size
 from moekit.errors import ChunkSizeError
+from moekit.plan import Chunk, RowChunk, SlabChunk, TokenChunk, chunk_ranges, slice_scales, validate_chunk_size
 
 
 def spans(M, C):
@@ -26,7 +30,25 @@ def spans(M, C):
 )
 def test_chunk_ranges(M, C, expected):
     assert spans(M, C) == expected
-    assert [r.index for r in chunk_ranges(M, C)] == list(range(len(expected)))
+    chunks = chunk_ranges(M, C)
+    assert [r.index for r in chunks] == list(range(len(expected)))
+    assert all(type(c) is TokenChunk and c.size == c.end - c.start for c in chunks)
+    assert chunk_ranges(M, C) is chunks  # a pure function, remembered: nobody can change a plan
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "8", True, None])
+def test_a_bad_token_count_is_named(bad):
+    with pytest.raises(ChunkSizeError, match="M must be an int >= 0"):
+        chunk_ranges(bad, 4)
+
+
+def test_chunks_are_values_of_one_family():
+    for kind in (TokenChunk, RowChunk, SlabChunk):
+        chunk = kind(0, 0, 8)
+        assert isinstance(chunk, Chunk) and chunk.size == 8
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            chunk.end = 9
+    assert TokenChunk(1, 4, 8) == TokenChunk(1, 4, 8) != RowChunk(1, 4, 8)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, "8", True])
@@ -43,9 +65,3 @@ def test_slice_scales_per_tensor_passes_whole_per_token_sliced():
     assert slice_scales(None, 0, 1) is None
     # The #28728 typo sliced (e, e): an empty scale. Ours never is for a non-empty chunk.
     assert slice_scales(per_token, 8, 10).shape[0] == 2
-
-
-def test_slice_rows_with_factor():
-    t = torch.arange(12).view(6, 2)  # M=3 tokens x factor 2
-    r = chunk_ranges(3, 2)[1]
-    assert slice_rows(t, r, 3).tolist() == [[8, 9], [10, 11]]

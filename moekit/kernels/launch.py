@@ -1,0 +1,171 @@
+"""Launch a compiled Triton kernel again without Triton's per-call argument binding.
+
+``fn[grid](*args, **constexprs)`` binds every argument, specializes it (dtype, 16-byte
+alignment, ``== 1`` and ``% 16`` of ints), builds a cache key and looks the compiled variant up,
+on every call. On the lent H200's host (2026-12-01, Triton 3.6, ``benchmarks/gpu_launch_cost.py``)
+that took 12.5 µs for the 8-argument weighted sum and 29 µs for the 53-argument grouped GEMM,
+of which the compiled kernel's own launcher took 5.2 and 7.3 µs.
+
+A :class:`LeanLauncher` keeps, per *variant key*, the compiled kernel that the first plain launch
+of that key returned, and later launches it directly::
+
+    launcher = LeanLauncher(_my_kernel)
+    launcher(grid, (x, y, n), key=(x.dtype, x.data_ptr() % 16 == 0, n == 1),
+             constexprs=lambda: dict(BLOCK=128, num_warps=4))
+
+The key is the caller's promise: two launches with the same key must select the same compiled
+variant (same constexprs and options, same dtypes, alignments and integer specializations of
+the runtime arguments). Each kernel file builds its key next to its launch, from what it knows
+varies. :func:`verifying` checks that promise: inside it, every direct launch also asks Triton's
+own binder which variant it would pick and raises :class:`LaunchKeyError` if that is another one
+(the GPU tests run the layer inside it).
+
+The plain path runs instead under the interpreter, for Triton versions whose launch convention
+was not read (outside 3.6-3.9), while a launch hook is installed (a profiler), and for kernels
+whose compile-time parameters are not all last. Variants are kept per launcher (one per jit
+function), behind a lock; they hold no tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from moekit.device import interpreting
+
+# The calling convention of CompiledKernel.run used below reads the same in the sources of
+# Triton 3.6 (what the H200 runs, where it is tested) and 3.9 (the pin of the CPU suite).
+_CONVENTION = ((3, 6), (3, 9))
+_VERIFY = contextvars.ContextVar("moekit_verify_launches", default=False)
+
+
+class LaunchKeyError(AssertionError):
+    """A lean launch's key selected another compiled variant than Triton's binder would."""
+
+
+def _version(text: str) -> tuple[int, int]:
+    parts = (text.split(".") + ["0"])[:2]
+    return tuple(int("".join(ch for ch in p if ch.isdigit()) or 0) for p in parts)
+
+
+def lean_supported() -> bool:
+    """Whether direct launches are used at all here (compiled Triton of a known convention)."""
+    low, high = _CONVENTION
+    return not interpreting() and low <= _version(triton.__version__) <= high
+
+
+@contextlib.contextmanager
+def verifying():
+    """Cross-check every direct launch against Triton's binder inside this block (tests)."""
+    token = _VERIFY.set(True)
+    try:
+        yield
+    finally:
+        _VERIFY.reset(token)
+
+
+def launch_stream(device: torch.device | None = None) -> tuple[int, int] | None:
+    """``(device index, raw stream)`` of the current CUDA stream, or None under the interpreter.
+
+    Query it once per forward and hand it to the launches: the query itself costs about a
+    microsecond on the lent host (``torch.cuda.current_stream()`` costs 4.6).
+    """
+    if interpreting():
+        return None
+    index = torch.cuda.current_device() if device is None or device.index is None else device.index
+    return index, torch._C._cuda_getCurrentRawStream(index)
+
+
+@dataclass(frozen=True)
+class _Variant:
+    compiled: object  # triton.compiler.CompiledKernel
+    tail: tuple  # the compile-time arguments, in signature order
+    device: int
+
+
+class LeanLauncher:
+    """The launches of one ``@triton.jit`` function (see the module docstring)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self._variants: dict = {}
+        self._lock = threading.Lock()
+        self._direct = lean_supported() and hasattr(fn, "params")  # the interpreter's functions have none
+        if not self._direct:
+            return
+        flags = [p.is_constexpr for p in fn.params]
+        first = flags.index(True) if True in flags else len(flags)
+        self._tail_names = list(fn.arg_names)[first:]  # runtime arguments come first, compile-time ones after
+        self._defaults = {p.name: p.default for p in fn.params[first:]}
+        self._direct = all(flags[first:])
+
+    def __repr__(self) -> str:
+        return f"LeanLauncher({self.fn.__name__}, variants={len(self._variants)})"
+
+    def __call__(self, grid: tuple, args: tuple, *, key, constexprs: Callable[[], dict],
+                 stream: tuple[int, int] | None = None) -> None:  # fmt: skip
+        """Launch ``fn[grid](*args, **constexprs())``; ``args`` are the runtime arguments in order."""
+        variant = self._variants.get(key) if self._direct else None
+        if variant is None or triton.knobs.runtime.launch_enter_hook is not None:
+            self._plain(grid, args, key, constexprs())
+            return
+        device, raw = stream if stream is not None else launch_stream()
+        if device != variant.device:
+            self._plain(grid, args, key, constexprs())
+            return
+        if _VERIFY.get():
+            self._verify(variant, args, constexprs())
+        c = variant.compiled
+        g = grid + (1,) * (3 - len(grid))
+        c.run(g[0], g[1], g[2], raw, c.function, c.packed_metadata, None, None, None, *args, *variant.tail)
+
+    def _plain(self, grid, args, key, consts: dict) -> None:
+        compiled = self.fn[grid](*args, **consts)
+        if not self._direct or compiled is None or triton.knobs.runtime.launch_enter_hook is not None:
+            return
+        tail = tuple(consts[n] if n in consts else self._defaults[n] for n in self._tail_names)
+        with self._lock:
+            self._variants.setdefault(key, _Variant(compiled, tail, torch.cuda.current_device()))
+
+    def _verify(self, variant: _Variant, args: tuple, consts: dict) -> None:
+        from triton.runtime.driver import driver
+        from triton.runtime.jit import compute_cache_key
+
+        fn = self.fn
+        kernel_cache, key_cache, _, _, binder = fn.device_caches[driver.active.get_current_device()]
+        options = dict(consts)
+        options["debug"] = options.get("debug", fn.debug) or triton.knobs.runtime.debug
+        options["instrumentation_mode"] = triton.knobs.compilation.instrumentation_mode
+        _, specialization, opts = binder(*args, **options)
+        chosen = kernel_cache.get(compute_cache_key(key_cache, specialization, opts))
+        if chosen is not variant.compiled:
+            raise LaunchKeyError(
+                f"{fn.__name__}: the launch key selected a variant compiled for other arguments than these "
+                f"(Triton's binder picks {'an uncompiled one' if chosen is None else 'another'}); the key must "
+                "name every dtype, alignment and integer specialization that changes between launches"
+            )
+
+    def clear(self) -> None:
+        """Forget every kept variant (the next launch of each key binds again)."""
+        with self._lock:
+            self._variants.clear()
+
+
+def aligned(*tensors: torch.Tensor | None) -> bool:
+    """Whether every given tensor's address is a multiple of 16 bytes (Triton specializes on it)."""
+    return all(t is None or t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def int_spec(value: int) -> int:
+    """How Triton specializes an int argument: 1 for the value 1, 16 for multiples of 16, 0 else
+    (plus 64 when it needs 64 bits)."""
+    return (1 if value == 1 else 16 if value % 16 == 0 else 0) + (64 if not -(2**31) <= value < 2**31 else 0)
+
+
+__all__ = ["LaunchKeyError", "LeanLauncher", "aligned", "int_spec", "launch_stream", "lean_supported", "verifying"]

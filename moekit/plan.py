@@ -1,0 +1,349 @@
+"""Chunk plans: which rows each experts call of one forward computes.
+
+A plan is a value: a tuple of :class:`Chunk` records plus what every chunk shares (the
+whole-batch output, the sorted layout). :class:`moekit.ModularKernel` picks one planner in its
+constructor and runs whatever plan it makes with one loop. Three planners:
+
+- :class:`TokenPlanner`, the seed's plan (``chunk_by="tokens"``): chunks of C tokens,
+  ``chunk_ranges(M, C)``. Each chunk re-reads the weights of every expert it touches; its
+  workspaces scale with C. ``chunk_size=None`` (or experts that cannot chunk) is the whole
+  batch as one chunk.
+- :class:`RowPlanner`, moekit's own (``chunk_by="rows"``): align the whole batch once, then cut
+  the expert-sorted rows into chunks of R::
+
+      layout = moe_align_block_size(ids, 128)               # once: (token, slot) rows sorted by
+                                                             # expert, each expert padded to 128
+      for (s, e) in ranges(len(layout), R):                  # R sorted rows per chunk
+          shapes = experts.row_workspace_shapes(e - s)       # per chunk, bounded by R
+          experts.apply_rows(rows [s, e) -> output[pairs of those rows])
+
+  Each chunk holds a contiguous run of experts, so every expert's weights are read about once
+  (twice for an expert cut by a boundary). Every (token, slot) row lives in exactly one chunk and
+  writes its own row of the ``[M, topk, K]`` output, which finalize weights and sums:
+  deterministic. No upstream chunk loop cuts this axis.
+- :class:`SlabPlanner` for the batched format: one call over every expert's slab (there is no
+  token axis to cut).
+
+Bug 1's and bug 2's fixes hold in every plan: shapes are declared per chunk, and counts are the
+chunk's own.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from moekit.errors import ChunkSizeError, InvalidInputError, WorkspaceShapeError
+from moekit.types import ALIGN_M, ExpertsCall, Prepared, ProblemSize, WorkspaceShapes
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Rows ``[start, end)`` of chunk number ``index``; which rows depends on the kind of chunk."""
+
+    index: int
+    start: int
+    end: int
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class TokenChunk(Chunk):
+    """Tokens ``[start, end)`` of the rows the experts see (the caller's, or those received)."""
+
+
+@dataclass(frozen=True)
+class RowChunk(Chunk):
+    """Rows ``[start, end)`` of the batch's expert-sorted ``layout`` (128-row blocks)."""
+
+    layout: object = None  # moekit.kernels.align.AlignedBlocks
+
+
+@dataclass(frozen=True)
+class SlabChunk(Chunk):
+    """Every slab of the batched format: rows ``[0, end)`` of each local expert's slab."""
+
+
+def validate_chunk_size(chunk_size) -> int | None:
+    """None (one chunk) or a positive int; anything else raises ChunkSizeError."""
+    if chunk_size is None:
+        return None
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+        raise ChunkSizeError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    if chunk_size <= 0:
+        raise ChunkSizeError(f"chunk_size must be > 0 (None means one chunk), got {chunk_size}")
+    return chunk_size
+
+
+def chunk_ranges(M: int, chunk_size: int | None) -> tuple[TokenChunk, ...]:
+    """``[s, e)`` token chunks with ``e = min(s + C, M)``; M=0 gives no chunk, C=None one chunk.
+
+    >>> [(c.start, c.end) for c in chunk_ranges(130, 128)]
+    [(0, 128), (128, 130)]
+    """
+    C = validate_chunk_size(chunk_size)
+    if isinstance(M, bool) or not isinstance(M, int) or M < 0:
+        raise ChunkSizeError(f"M must be an int >= 0, got {M!r}")
+    return _ranges(TokenChunk, M, C)
+
+
+@functools.lru_cache(maxsize=512)  # a pure function of its arguments, asked for on every forward
+def _ranges(kind, M: int, C: int | None) -> tuple:
+    if M == 0:
+        return ()
+    if C is None or C >= M:
+        return (kind(0, 0, M),)
+    return tuple(kind(i, s, min(s + C, M)) for i, s in enumerate(range(0, M, C)))
+
+
+def slice_scales(scale: torch.Tensor | None, start: int, end: int) -> torch.Tensor | None:
+    """The rows of a per-token or per-group scale that belong to ``[start, end)``.
+
+    A per-tensor scale (one element) is shared by every chunk and passes whole. Upstream once
+    sliced ``a2_scale`` with ``(end, end)`` and handed every chunk an empty scale (#28728).
+    """
+    if scale is None or scale.numel() == 1:
+        return scale
+    return scale[start:end]
+
+
+@dataclass(slots=True)
+class Batch:
+    """What every chunk of one forward shares: prepare's result and the checked arguments."""
+
+    prepared: Prepared
+    weights: object  # MoEWeights
+    placement: object  # ExpertPlacement
+    problem: ProblemSize  # the sizes of the rows the experts see (after prepare)
+    out_dtype: torch.dtype
+    a2_scale: torch.Tensor | None
+    guard: bool
+    stream: tuple[int, int] | None
+
+
+class _Plan:
+    """What every plan does the same way; subclasses say how a chunk is sized, handed and run."""
+
+    chunks: tuple
+    output: torch.Tensor
+    single: bool  # one chunk of every row: prepare's counts are the chunk's own
+
+    def __init__(self, planner, experts, batch: Batch):
+        self.planner, self.experts, self.batch = planner, experts, batch
+
+    def count(self, chunk: Chunk) -> torch.Tensor:
+        """This chunk's rows per local expert, on the device (one count launch)."""
+        from moekit.kernels.count import launch_count
+
+        p = self.batch.placement
+        return launch_count(self.chunk_ids(chunk), p.num_local_experts, p.expert_map, stream=self.batch.stream)
+
+    def _call(self, chunk, output, hidden, scale, ids, problem, buffers, shapes, counts, meta, a2) -> ExpertsCall:
+        b = self.batch
+        return ExpertsCall(chunk, output, hidden, scale, ids, b.weights, buffers.workspace13, buffers.workspace2,
+                           problem, shapes, b.placement, counts, meta, a2, b.guard, b.stream)  # fmt: skip
+
+
+class TokenPlanner:
+    """Chunks of ``chunk_size`` tokens (None: the whole batch), as the seed's loop."""
+
+    name = "tokens"
+
+    def __init__(self, chunk_size: int | None):
+        self.chunk_size = validate_chunk_size(chunk_size)
+        self._shapes: dict = {}  # (ProblemSize, dtype) -> WorkspaceShapes when no metadata is handed
+
+    def plan(self, experts, batch: Batch, pool) -> TokenPlan:
+        return TokenPlan(self, experts, batch, pool)
+
+    def shapes(self, experts, problem: ProblemSize, act: torch.dtype, meta) -> WorkspaceShapes:
+        """``experts.workspace_shapes``, remembered when it depends on the sizes alone (no metadata).
+
+        Experts declare shapes as a function of their arguments; an experts object whose settings
+        change after it was handed to a kernel is not supported.
+        """
+        if meta is not None:
+            return experts.workspace_shapes(problem, act_dtype=act, tokens_meta=meta)
+        key = (problem, act)
+        shapes = self._shapes.get(key)
+        if shapes is None:
+            if len(self._shapes) > 512:
+                self._shapes.clear()
+            shapes = self._shapes[key] = experts.workspace_shapes(problem, act_dtype=act, tokens_meta=None)
+        return shapes
+
+
+class TokenPlan(_Plan):
+    def __init__(self, planner: TokenPlanner, experts, batch: Batch, pool):
+        super().__init__(planner, experts, batch)
+        p, act = batch.problem, batch.prepared.a1q.dtype
+        self.whole = planner.shapes(experts, p, act, batch.prepared.tokens_meta)
+        self.output = pool.output(self.whole.output, batch.out_dtype)
+        self.chunks = _ranges(TokenChunk, p.M, planner.chunk_size if experts.supports_chunking else None)
+        self.single = len(self.chunks) == 1
+        self.sizes = (p,) if self.single else tuple(p.with_M(c.size) for c in self.chunks)
+
+    def shapes(self, chunk: TokenChunk, meta) -> WorkspaceShapes:
+        if self.single and meta is self.batch.prepared.tokens_meta:
+            return self.whole
+        return self.planner.shapes(self.experts, self.sizes[chunk.index], self.batch.prepared.a1q.dtype, meta)
+
+    def declared_once(self) -> WorkspaceShapes:
+        """What the parent commit of PR #20392 declared once, for every chunk: the first chunk's shapes."""
+        return self.shapes(self.chunks[0], self.batch.prepared.tokens_meta)
+
+    def chunk_ids(self, chunk: TokenChunk) -> torch.Tensor:
+        ids = self.batch.prepared.topk_ids
+        return ids if self.single else ids[chunk.start : chunk.end]
+
+    def backend(self, chunk: TokenChunk) -> str:
+        return self.experts.backend_for(self.sizes[chunk.index])
+
+    def call(self, chunk: TokenChunk, buffers, shapes: WorkspaceShapes, counts, meta) -> ExpertsCall:
+        b, pr = self.batch, self.batch.prepared
+        if self.single:
+            out, hidden, scale, ids, a2 = self.output, pr.a1q, pr.a1q_scale, pr.topk_ids, b.a2_scale
+        else:
+            s, e = chunk.start, chunk.end
+            factor = self.output.shape[0] // b.problem.M
+            out, hidden, ids = self.output[s * factor : e * factor], pr.a1q[s:e], pr.topk_ids[s:e]
+            scale, a2 = slice_scales(pr.a1q_scale, s, e), slice_scales(b.a2_scale, s, e)
+        if b.guard and out.shape != shapes.output:
+            raise WorkspaceShapeError(self._output_message(chunk, shapes, out))
+        return self._call(chunk, out, hidden, scale, ids, self.sizes[chunk.index], buffers, shapes, counts, meta, a2)
+
+    def run(self, experts, call: ExpertsCall) -> str:
+        return experts.apply(call)
+
+    def _output_message(self, chunk: TokenChunk, own: WorkspaceShapes, out: torch.Tensor) -> str:
+        M = self.batch.problem.M
+        return (
+            f"{self.experts.name} declared output {own.output} for chunk {chunk.index} (tokens [{chunk.start}, "
+            f"{chunk.end}), backend {self.backend(chunk)}), but the whole-batch output it declared for M={M} "
+            f"({self.whole.output}) slices to {tuple(out.shape)}. Every backend of a dispatching experts class "
+            "must declare the same output layout, with dim 0 proportional to M (the second half of the "
+            "PR #20392 fix). (moekit's guard; upstream asserted equal shapes after the fix.)"
+        )
+
+
+class RowPlanner:
+    """Chunks of ``rows`` expert-sorted rows (a multiple of 128); see the module docstring."""
+
+    name = "rows"
+
+    def __init__(self, rows, experts, workspace_policy: str):
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows <= 0 or rows % ALIGN_M:
+            raise ChunkSizeError(
+                f"chunk_by='rows' needs chunk_size = sorted rows per chunk, a positive multiple of {ALIGN_M} "
+                f"(the layout's block), got {rows!r}"
+            )
+        if not experts.supports_row_chunks:
+            raise InvalidInputError(f"{experts.name} does not support chunks of sorted rows (chunk_by='rows')")
+        if workspace_policy != "per_chunk":
+            raise InvalidInputError(
+                f"chunk_by='rows' declares workspaces per chunk; workspace_policy must be 'per_chunk', "
+                f"got {workspace_policy!r}"
+            )
+        self.chunk_size = rows
+
+    def plan(self, experts, batch: Batch, pool) -> RowPlan:
+        return RowPlan(self, experts, batch, pool)
+
+
+class RowPlan(_Plan):
+    def __init__(self, planner: RowPlanner, experts, batch: Batch, pool):
+        from moekit.kernels.align import launch_align
+
+        super().__init__(planner, experts, batch)
+        p, ids, pl = batch.problem, batch.prepared.topk_ids, batch.placement
+        self.layout = launch_align(ids, ALIGN_M, pl.global_num_experts, pl.expert_map, num_local_experts=
+                                   pl.num_local_experts, keep_empty=True, stream=batch.stream)  # fmt: skip
+        # The layout's length is a bound from sizes alone (no sync); chunks past its used rows find
+        # no rows and return at once, on the device.
+        total, R = (self.layout.sorted_token_ids.numel() if ids.numel() else 0), planner.chunk_size
+        self.chunks = tuple(RowChunk(i, s, min(s + R, total), self.layout) for i, s in enumerate(range(0, total, R)))
+        self.single = len(self.chunks) == 1
+        whole = self.shapes(self.chunks[0], None) if self.chunks else experts.row_workspace_shapes(
+            R, p, act_dtype=batch.prepared.a1q.dtype)  # fmt: skip
+        self.output = pool.output(whole.output, batch.out_dtype)
+        self._padded_ids = None
+
+    def shapes(self, chunk: RowChunk, meta) -> WorkspaceShapes:
+        act = self.batch.prepared.a1q.dtype
+        return self.experts.row_workspace_shapes(chunk.size, self.batch.problem, act_dtype=act)
+
+    def chunk_ids(self, chunk: RowChunk) -> torch.Tensor:
+        if self._padded_ids is None:  # a padding row's pair (numel) has no expert
+            ids = self.batch.prepared.topk_ids
+            self._padded_ids = torch.cat([ids.reshape(-1), ids.new_full((1,), -1)])
+        return self._padded_ids[self.layout.sorted_token_ids[chunk.start : chunk.end]]
+
+    def backend(self, chunk: RowChunk) -> str:
+        return self.experts.backend_for(self.batch.problem.with_M(chunk.size))
+
+    def call(self, chunk: RowChunk, buffers, shapes: WorkspaceShapes, counts, meta) -> ExpertsCall:
+        pr, b = self.batch.prepared, self.batch
+        return self._call(chunk, self.output, pr.a1q, pr.a1q_scale, pr.topk_ids, b.problem, buffers, shapes, counts,
+                          meta, b.a2_scale)  # fmt: skip
+
+    def run(self, experts, call: ExpertsCall) -> str:
+        return experts.apply_rows(call)
+
+
+class SlabPlanner:
+    """The batched format: one call over every expert slab."""
+
+    name = "slabs"
+    chunk_size = None
+
+    def plan(self, experts, batch: Batch, pool) -> SlabPlan:
+        return SlabPlan(self, experts, batch, pool)
+
+
+class SlabPlan(_Plan):
+    def __init__(self, planner: SlabPlanner, experts, batch: Batch, pool):
+        super().__init__(planner, experts, batch)
+        meta = batch.prepared.tokens_meta
+        self.whole = experts.workspace_shapes(batch.problem, act_dtype=batch.prepared.a1q.dtype, tokens_meta=meta)
+        self.output = pool.output(self.whole.output, batch.out_dtype)
+        self.chunks, self.single = (SlabChunk(0, 0, batch.problem.M),), True
+
+    def shapes(self, chunk: SlabChunk, meta) -> WorkspaceShapes:
+        return self.whole
+
+    def declared_once(self) -> WorkspaceShapes:
+        return self.whole
+
+    def chunk_ids(self, chunk: SlabChunk) -> torch.Tensor:
+        return self.batch.prepared.topk_ids
+
+    def backend(self, chunk: SlabChunk) -> str:
+        return self.experts.backend_for(self.batch.problem)
+
+    def call(self, chunk: SlabChunk, buffers, shapes: WorkspaceShapes, counts, meta) -> ExpertsCall:
+        pr, b = self.batch.prepared, self.batch
+        return self._call(chunk, self.output, pr.a1q, pr.a1q_scale, pr.topk_ids, b.problem, buffers, shapes, counts,
+                          meta, b.a2_scale)  # fmt: skip
+
+    def run(self, experts, call: ExpertsCall) -> str:
+        return experts.apply(call)
+
+
+__all__ = [
+    "Batch",
+    "Chunk",
+    "RowChunk",
+    "RowPlanner",
+    "SlabChunk",
+    "SlabPlanner",
+    "TokenChunk",
+    "TokenPlanner",
+    "chunk_ranges",
+    "slice_scales",
+    "validate_chunk_size",
+]
