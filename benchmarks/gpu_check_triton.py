@@ -56,6 +56,7 @@ from moekit.quant import dequantize_fp8_per_token_group as dq_act
 from moekit.quant import quantize_fp8_per_token_group as q_act
 from moekit.reference import moe_reference, silu_and_mul
 from moekit.roofline import LayerShape, layer_floor
+from moekit.plan import chunk_ranges
 from moekit.types import ExpertPlacement, ExpertsCall, MoEWeights, ProblemSize
 from moekit.workspace import WorkspacePool
 
@@ -153,8 +154,8 @@ class Case:
         buffers = WorkspacePool(self.hidden.device).take(shapes)
         out = torch.empty(shapes.output, dtype=shapes.dtype, device=self.hidden.device)
         w = MoEWeights(self.wa, self.wb, self.scales.get("w1_scale"), self.scales.get("w2_scale"))
-        call = ExpertsCall(out, prepared.a1q, prepared.a1q_scale, prepared.topk_ids, w, buffers.workspace13,
-                           buffers.workspace2, problem, shapes, placement)  # fmt: skip
+        call = ExpertsCall(chunk_ranges(self.M, None)[0], out, prepared.a1q, prepared.a1q_scale, prepared.topk_ids, w,
+                           buffers.workspace13, buffers.workspace2, problem, shapes, placement)  # fmt: skip
         return lambda: experts.apply(call)
 
     def gemm(self, stage: str, cfg: KernelConfig):

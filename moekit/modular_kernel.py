@@ -127,7 +127,6 @@ class ModularKernel:
         self.workspaces = PerChunkWorkspaces() if workspace_policy == "per_chunk" else DeclaredOnceWorkspaces(
             experts, guard=guard)  # fmt: skip
         self.metadata = METADATA_POLICIES[metadata_policy]()
-        self._count_always = trace_counts or experts.uses_tokens_meta
         self._local = threading.local()
 
     @property
@@ -232,18 +231,22 @@ class ModularKernel:
             meta = self.metadata.tokens_meta(whole_meta, counts, single=plan.single)
             own = plan.shapes(chunk, meta)
             given = self.workspaces.given(own, chunk, plan)
-            call = plan.call(chunk, pool.take(given), own, counts, meta)
+            fill = counts is None and self.trace_counts
+            call = plan.call(chunk, pool.take(given), own, counts, meta, fill_counts=fill)
             record = trace.add(chunk, plan.backend(chunk), given, own, call.output, counts, per_expert)
-            record.finish(plan.run(self.experts, call), self.experts.why(call.problem))
+            record.finish(plan.run(self.experts, call), self.experts.why(call.problem), call.counts)
         trace.peak_workspace_bytes = pool.peak_bytes
         return plan.output
 
     def _counts(self, plan, chunk, whole_meta) -> torch.Tensor | None:
         """This chunk's rows per local expert, counted at most once: for its metadata, its experts
-        and its trace. One chunk of every row keeps prepare's counts (they are its own)."""
+        and its trace. One chunk of every row keeps prepare's counts (they are its own); when only
+        the trace wants them and the experts count anyway, they fill them in (None here)."""
         if plan.single and whole_meta is not None:
             return whole_meta.expert_num_tokens
-        if self._count_always or (whole_meta is not None and self.metadata.recounts):
+        if self.experts.uses_tokens_meta or (whole_meta is not None and self.metadata.recounts):
+            return plan.count(chunk)
+        if self.trace_counts and not plan.fills_counts:
             return plan.count(chunk)
         return None
 

@@ -132,6 +132,7 @@ class _Plan:
     chunks: tuple
     output: torch.Tensor
     single: bool  # one chunk of every row: prepare's counts are the chunk's own
+    fills_counts = False  # the experts' run path fills in the chunk's counts (Experts.counts_in_apply)
 
     def __init__(self, planner, experts, batch: Batch):
         self.planner, self.experts, self.batch = planner, experts, batch
@@ -143,10 +144,10 @@ class _Plan:
         p = self.batch.placement
         return launch_count(self.chunk_ids(chunk), p.num_local_experts, p.expert_map, stream=self.batch.stream)
 
-    def _call(self, chunk, output, hidden, scale, ids, problem, buffers, shapes, counts, meta, a2) -> ExpertsCall:
+    def _call(self, chunk, output, hidden, scale, ids, problem, buffers, shapes, counts, meta, a2, fill) -> ExpertsCall:
         b = self.batch
         return ExpertsCall(chunk, output, hidden, scale, ids, b.weights, buffers.workspace13, buffers.workspace2,
-                           problem, shapes, b.placement, counts, meta, a2, b.guard, b.stream)  # fmt: skip
+                           problem, shapes, b.placement, counts, meta, a2, b.guard, b.stream, fill)  # fmt: skip
 
 
 class TokenPlanner:
@@ -187,6 +188,7 @@ class TokenPlan(_Plan):
         self.chunks = _ranges(TokenChunk, p.M, planner.chunk_size if experts.supports_chunking else None)
         self.single = len(self.chunks) == 1
         self.sizes = (p,) if self.single else tuple(p.with_M(c.size) for c in self.chunks)
+        self.fills_counts = experts.counts_in_apply
 
     def shapes(self, chunk: TokenChunk, meta) -> WorkspaceShapes:
         if self.single and meta is self.batch.prepared.tokens_meta:
@@ -204,7 +206,7 @@ class TokenPlan(_Plan):
     def backend(self, chunk: TokenChunk) -> str:
         return self.experts.backend_for(self.sizes[chunk.index])
 
-    def call(self, chunk: TokenChunk, buffers, shapes: WorkspaceShapes, counts, meta) -> ExpertsCall:
+    def call(self, chunk: TokenChunk, buffers, shapes: WorkspaceShapes, counts, meta, *, fill_counts=False):
         b, pr = self.batch, self.batch.prepared
         if self.single:
             out, hidden, scale, ids, a2 = self.output, pr.a1q, pr.a1q_scale, pr.topk_ids, b.a2_scale
@@ -215,7 +217,8 @@ class TokenPlan(_Plan):
             scale, a2 = slice_scales(pr.a1q_scale, s, e), slice_scales(b.a2_scale, s, e)
         if b.guard and out.shape != shapes.output:
             raise WorkspaceShapeError(self._output_message(chunk, shapes, out))
-        return self._call(chunk, out, hidden, scale, ids, self.sizes[chunk.index], buffers, shapes, counts, meta, a2)
+        return self._call(chunk, out, hidden, scale, ids, self.sizes[chunk.index], buffers, shapes, counts, meta, a2,
+                          fill_counts)  # fmt: skip
 
     def run(self, experts, call: ExpertsCall) -> str:
         return experts.apply(call)
@@ -286,10 +289,10 @@ class RowPlan(_Plan):
     def backend(self, chunk: RowChunk) -> str:
         return self.experts.backend_for(self.batch.problem.with_M(chunk.size))
 
-    def call(self, chunk: RowChunk, buffers, shapes: WorkspaceShapes, counts, meta) -> ExpertsCall:
+    def call(self, chunk: RowChunk, buffers, shapes: WorkspaceShapes, counts, meta, *, fill_counts=False):
         pr, b = self.batch.prepared, self.batch
         return self._call(chunk, self.output, pr.a1q, pr.a1q_scale, pr.topk_ids, b.problem, buffers, shapes, counts,
-                          meta, b.a2_scale)  # fmt: skip
+                          meta, b.a2_scale, False)  # fmt: skip
 
     def run(self, experts, call: ExpertsCall) -> str:
         return experts.apply_rows(call)
@@ -325,10 +328,10 @@ class SlabPlan(_Plan):
     def backend(self, chunk: SlabChunk) -> str:
         return self.experts.backend_for(self.batch.problem)
 
-    def call(self, chunk: SlabChunk, buffers, shapes: WorkspaceShapes, counts, meta) -> ExpertsCall:
+    def call(self, chunk: SlabChunk, buffers, shapes: WorkspaceShapes, counts, meta, *, fill_counts=False):
         pr, b = self.batch.prepared, self.batch
         return self._call(chunk, self.output, pr.a1q, pr.a1q_scale, pr.topk_ids, b.problem, buffers, shapes, counts,
-                          meta, b.a2_scale)  # fmt: skip
+                          meta, b.a2_scale, False)  # fmt: skip
 
     def run(self, experts, call: ExpertsCall) -> str:
         return experts.apply(call)

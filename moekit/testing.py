@@ -242,12 +242,16 @@ def experts_call(
     a2_scale: torch.Tensor | None = None,
     fill: float | None = None,
     pool=None,
+    counts: torch.Tensor | None = None,
 ) -> ExpertsCall:
     """One chunk's call as ``ModularKernel`` builds it: sizes from the tensors, the shapes
-    ``experts`` declares for them, buffers from ``pool`` (a fresh one by default) and an output
-    of the declared shape. ``fill`` pre-fills workspaces and output (NaN: a canary that shows any
-    element the experts forgot to write). ``hidden`` is what prepare hands over (fp8 for fp8
-    experts, with ``hidden_scale``)."""
+    ``experts`` declares for them, buffers from ``pool`` (a fresh one by default), an output
+    of the declared shape and the chunk's counts (``counts``, else counted here when
+    ``experts.uses_tokens_meta``). ``fill`` pre-fills workspaces and output (NaN: a canary that
+    shows any element the experts forgot to write). ``hidden`` is what prepare hands over (fp8 for
+    fp8 experts, with ``hidden_scale``)."""
+    from moekit.kernels.count import launch_count
+    from moekit.plan import SlabChunk, TokenChunk
     from moekit.workspace import WorkspacePool
 
     E_local, N, K = weights.w1.shape
@@ -260,8 +264,11 @@ def experts_call(
     if fill is not None:
         for t in (buffers.workspace13, buffers.workspace2, output):
             t.fill_(fill)
-    return ExpertsCall(output, hidden, hidden_scale, topk_ids, weights, buffers.workspace13, buffers.workspace2,
-                       problem, shapes, placement, tokens_meta=tokens_meta, a2_scale=a2_scale)  # fmt: skip
+    if counts is None and experts.uses_tokens_meta and hidden.dim() == 2:
+        counts = launch_count(topk_ids, E_local, placement.expert_map)
+    chunk = (SlabChunk if hidden.dim() == 3 else TokenChunk)(0, 0, rows)
+    return ExpertsCall(chunk, output, hidden, hidden_scale, topk_ids, weights, buffers.workspace13, buffers.workspace2,
+                       problem, shapes, placement, counts, tokens_meta, a2_scale)  # fmt: skip
 
 
 def wall_ms(fn, *, repeats: int = 3) -> float:

@@ -40,9 +40,12 @@ class ChunkRecord:
         if self.needed is None:
             self.needed = self.shapes
 
-    def finish(self, backend: str, note: str = "") -> None:
-        """The chunk's ``apply`` returned: record the backend that actually ran (and why, if a fallback)."""
+    def finish(self, backend: str, note: str = "", counts: torch.Tensor | None = None) -> None:
+        """The chunk's ``apply`` returned: record the backend that actually ran (and why, if a
+        fallback), and the counts its experts filled in if the record had none."""
         self.backend, self.note, self.completed = backend, note, True
+        if self.counts is None:
+            self.counts = counts
 
     @property
     def M(self) -> int:
@@ -105,7 +108,7 @@ class Trace:
 
     def add(self, chunk, backend: str, given: WorkspaceShapes, needed: WorkspaceShapes, output: torch.Tensor,
             counts: torch.Tensor | None, expert_bytes: int) -> ChunkRecord:  # fmt: skip
-        """Record a chunk before its experts run (``completed`` until :meth:`ChunkRecord.finish`)."""
+        """Record a chunk before its experts run (not ``completed`` until :meth:`ChunkRecord.finish`)."""
         record = ChunkRecord(chunk.index, chunk.start, chunk.end, backend, given, tuple(output.shape), counts,
                              needed, False, "", expert_bytes)  # fmt: skip
         self.chunks.append(record)

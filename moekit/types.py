@@ -184,8 +184,12 @@ class MoEWeights:
     @property
     def expert_bytes(self) -> int:
         """Bytes of one expert's w1 and w2 and their fp32 block scales: what a chunk reads per expert it touches."""
-        return sum(t[0].numel() * t.element_size() for t in (self.w1, self.w2, self.w1_scale, self.w2_scale)
-                   if t is not None and t.shape[0])  # fmt: skip
+        total = 0
+        for t in (self.w1, self.w2, self.w1_scale, self.w2_scale):
+            if t is not None:
+                E, *rest = t.shape
+                total += math.prod(rest) * t.element_size() if E else 0
+        return total
 
     def check(self, expected: QuantScheme) -> None:
         """Raise QuantizationError unless the weights match ``expected``."""
@@ -257,7 +261,9 @@ class ExpertsCall:
       ``prod(shapes.workspace2)`` long; ``apply`` carves its caches out of their first elements
       (what upstream's ``_resize_cache`` did);
     - ``counts``: int32 ``[E_local]`` rows of this chunk per local expert on the device, counted
-      once by the modular kernel (None when nobody needs them);
+      once by the modular kernel (None when nobody needs them before ``apply``). When only the trace
+      wants them (``fill_counts``), experts that compute them anyway (``Experts.counts_in_apply``)
+      store them here instead, and the kernel launches no count of its own;
     - ``tokens_meta``: the tokens per local expert the chunk is handed (this chunk's, or, under
       ``metadata_policy="whole_batch"``, the whole batch's: bug 2), or None;
     - ``a2_scale``: a static scale for the fp8 requantization between the GEMMs, or None;
@@ -283,6 +289,7 @@ class ExpertsCall:
     a2_scale: torch.Tensor | None = None
     guard: bool = True
     stream: tuple[int, int] | None = None
+    fill_counts: bool = False
 
     @property
     def expert_map(self) -> torch.Tensor | None:

@@ -146,9 +146,19 @@ def check_moe_inputs(
             f"topk_ids and topk_weights must both be [M={M}, topk > 0], got {tuple(topk_ids.shape)} "
             f"and {tuple(topk_weights.shape)}"
         )
-    devices = {t.device.type for t in (hidden, w1, w2, topk_weights, topk_ids)}
-    if len(devices) != 1:
-        raise InvalidInputError(f"all tensors must be on one device, got {sorted(devices)}")
+    where, meta = hidden.get_device(), hidden.is_meta  # get_device: -1 on the CPU (and meta), else the index
+    if any(t.get_device() != where or t.is_meta != meta for t in (w1, w2, topk_weights, topk_ids)):
+        names = ("hidden", "w1", "w2", "topk_weights", "topk_ids")
+        tensors = (hidden, w1, w2, topk_weights, topk_ids)
+        got = ", ".join(f"{n} on {t.device}" for n, t in zip(names, tensors, strict=True))
+        raise InvalidInputError(f"all tensors must be on one device, got {got}")
+    check_kernel_device(hidden, "hidden")
+    if torch.is_grad_enabled() and (hidden.requires_grad or w1.requires_grad or w2.requires_grad
+                                    or topk_weights.requires_grad):  # fmt: skip
+        raise InvalidInputError(
+            "moekit's MoE layer is inference-only: no gradient flows through its kernels, but an input "
+            "requires grad; run it under torch.no_grad() or torch.inference_mode()"
+        )
     if w1.dtype != FP8 and w1.dtype != hidden.dtype:
         raise InvalidInputError(
             f"unquantized weights must have hidden's dtype ({hidden.dtype}), got w1 {w1.dtype}; "

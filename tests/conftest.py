@@ -28,6 +28,19 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _verify_lean_launches():
+    """Where kernels compile (a GPU), every direct launch of a kept variant is cross-checked against
+    Triton's own binder: a launch key that misses a specialization fails the test that made it."""
+    from moekit.kernels.launch import lean_supported, verifying
+
+    if not lean_supported():
+        yield
+        return
+    with verifying():
+        yield
+
+
 @pytest.fixture
 def device():
     return moekit.device.get_device()

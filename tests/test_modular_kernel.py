@@ -369,3 +369,61 @@ def test_two_threads_sharing_one_kernel_take_turns():
         t.join()
     for (x, w1, w2, tw, ti), out in zip(cases, outs, strict=True):
         assert_close(out, moe_reference(x, w1, w2, tw, ti), dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# validation once, at the door
+
+
+def _checks_made(fn) -> dict[str, int]:
+    """Calls into moekit's argument checks while ``fn()`` runs: every function of validate.py, the
+    GEMM argument checks, the kernel launchers' ``_check*`` helpers and ProblemSize's validation."""
+    import collections
+    import sys
+
+    made = collections.Counter()
+
+    def is_check(code) -> bool:
+        path, name = code.co_filename.replace("\\", "/"), code.co_name
+        if "/moekit/" not in path:
+            return False
+        if path.endswith("/moekit/validate.py") and not name.startswith("<"):
+            return True
+        if path.endswith("/moekit/kernels/gemm_args.py") and name.startswith("check"):
+            return True
+        if "/moekit/kernels/" in path and name.startswith("_check"):
+            return True
+        return path.endswith("/moekit/types.py") and name == "__post_init__"
+
+    def profile(frame, event, arg):
+        if event == "call" and is_check(frame.f_code):
+            made[f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_code.co_name}"] += 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return dict(made)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("experts", ["triton", "grouped_mm", "deep_gemm"])
+def test_the_checks_do_not_grow_with_the_chunks(experts):
+    """One forward checks its arguments at the door; four chunks check nothing more than one."""
+    from moekit.experts import experts_class
+    from moekit.testing import make_problem
+    from moekit.types import QuantScheme
+
+    quant = QuantScheme.FP8_BLOCK if experts == "deep_gemm" else QuantScheme.NONE
+    dtype = torch.bfloat16 if quant is QuantScheme.FP8_BLOCK else torch.float32
+    p = make_problem(64, E=8, topk=2, K=128, N=256, dtype=dtype, quant=quant).shard(1, 2)  # an expert_map
+    made = {}
+    for C in (None, 16):
+        kernel = ModularKernel(NoEPPrepareFinalize(), experts_class(experts)(quant=quant), chunk_size=C)
+        run = lambda k=kernel: k(*p.inputs(), **p.options())  # noqa: E731
+        run()  # the first call compiles and fills the caches
+        made[C] = _checks_made(run)
+        assert len(kernel.last_trace) == (1 if C is None else 4)
+    assert made[16] == made[None], f"one chunk: {made[None]}; four chunks: {made[16]}"
+    assert sum(made[None].values()) > 0  # the door did check

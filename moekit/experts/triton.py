@@ -60,6 +60,7 @@ class TritonExperts(Experts):
     supports_chunking = True
     supports_row_chunks = True
     supports_expert_map = True
+    counts_in_apply = True
 
     def __init__(self, *, quant: QuantScheme = QuantScheme.NONE, fuse_activation: bool = False):
         super().__init__(quant=quant)
@@ -118,8 +119,10 @@ class TritonExperts(Experts):
             return "triton"
         fp8 = self.quant is QuantScheme.FP8_BLOCK
         cfg1, cfg2 = self.tile_configs(problem, call.hidden.dtype)
-        blocks1 = self._align(call, cfg1.BLOCK_M)
+        blocks1 = self._align(call, cfg1.BLOCK_M, counts=call.fill_counts)
         blocks2 = blocks1 if cfg2.BLOCK_M == cfg1.BLOCK_M else self._align(call, cfg2.BLOCK_M)
+        if call.fill_counts:
+            call.counts = blocks1.counts
         static = call.a2_scale.reshape(-1).float() if fp8 and call.a2_scale is not None else None
         if self.fuse_activation:
             self._fused(call, ws13, blocks1, blocks2, cfg1, cfg2, static)
@@ -179,11 +182,12 @@ class TritonExperts(Experts):
         return "triton"
 
     @staticmethod
-    def _align(call: ExpertsCall, block_m: int) -> AlignedBlocks:
+    def _align(call: ExpertsCall, block_m: int, *, counts: bool = False) -> AlignedBlocks:
         # keep_empty: empty slots get zero rows too, so every element of the output is written.
         placement = call.placement
         return launch_align(call.topk_ids, block_m, placement.global_num_experts, placement.expert_map,
-                            num_local_experts=placement.num_local_experts, keep_empty=True, stream=call.stream)
+                            num_local_experts=placement.num_local_experts, keep_empty=True, counts=counts,
+                            stream=call.stream)  # fmt: skip
 
     def _fused(self, call, ws13, blocks1, blocks2, cfg1, cfg2, static) -> None:
         """GEMM1 with silu_and_mul (and fp8 requantization) in its epilogue, then GEMM2."""

@@ -125,12 +125,17 @@ def _align_count_kernel(
     # Pointers
     ids_ptr, map_ptr, out_ptr,
     # Sizes
-    numel, E, num_local, num_tiles, counts_off,
+    numel, E, num_local, num_tiles, counts_off, local_off,
     # Meta-parameters
     HAS_MAP: tl.constexpr, KEEP_EMPTY: tl.constexpr, NUM_BINS: tl.constexpr, TILE: tl.constexpr,
+    LOCAL_COUNTS: tl.constexpr, LOCAL_BINS: tl.constexpr,
 ):
     counts_ptr = out_ptr + counts_off
     t = tl.program_id(0)
+    if LOCAL_COUNTS:  # the scan adds each local expert's total into zeros (it runs after this launch)
+        if t == 0:
+            lbins = tl.arange(0, LOCAL_BINS)
+            tl.store(out_ptr + local_off + lbins, tl.zeros([LOCAL_BINS], dtype=tl.int32), mask=lbins < num_local)
     idx = t * TILE + tl.arange(0, TILE)
     bucket, _ = _bucket_of(ids_ptr, map_ptr, idx, numel, E, num_local, HAS_MAP, KEEP_EMPTY, NUM_BINS - 1)
     # Dropped pairs land in the last bin, which is never a real bucket (NUM_BINS > E + 1).
@@ -143,11 +148,11 @@ def _align_count_kernel(
 @triton.jit(do_not_specialize=_SIZES)
 def _align_scan_kernel(
     # Pointers
-    out_ptr,
+    out_ptr, map_ptr,
     # Sizes
-    num_tiles, counts_off, totals_off,
+    num_tiles, counts_off, totals_off, E, num_local, local_off,
     # Meta-parameters
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, HAS_MAP: tl.constexpr, LOCAL_COUNTS: tl.constexpr,
 ):
     counts_ptr = out_ptr + counts_off
     totals_ptr = out_ptr + totals_off
@@ -161,6 +166,14 @@ def _align_scan_kernel(
         tl.store(row + t, tl.cumsum(c, axis=0) - c + carry, mask=t < num_tiles)
         carry += tl.sum(c, axis=0)
     tl.store(totals_ptr + b, carry)
+    if LOCAL_COUNTS:  # bucket b < E is global expert b: its total is its local expert's count
+        if b < E:
+            if HAS_MAP:
+                e = tl.load(map_ptr + b)
+            else:
+                e = b
+            if (e >= 0) & (e < num_local):
+                tl.atomic_add(out_ptr + local_off + e.to(tl.int32), carry, sem="relaxed")
 
 
 @triton.jit(do_not_specialize=_SIZES)
@@ -209,10 +222,11 @@ def _align_small_kernel(
     # Pointers
     ids_ptr, map_ptr, out_ptr,
     # Sizes
-    numel, E, num_local, max_padded, max_blocks, expert_off, post_off,
+    numel, E, num_local, max_padded, max_blocks, expert_off, post_off, local_off,
     # Meta-parameters
     BLOCK_M: tl.constexpr, HAS_MAP: tl.constexpr, KEEP_EMPTY: tl.constexpr, NUM_BINS: tl.constexpr,
-    TILE: tl.constexpr, PAD_W: tl.constexpr, FILL: tl.constexpr,
+    TILE: tl.constexpr, PAD_W: tl.constexpr, FILL: tl.constexpr, LOCAL_COUNTS: tl.constexpr,
+    LOCAL_BINS: tl.constexpr,
 ):
     # All three steps in one program, for inputs of one tile (decode): one launch instead of three.
     sorted_ptr = out_ptr
@@ -237,6 +251,10 @@ def _align_small_kernel(
     _pad(sorted_ptr, row + 1, n_pad, numel, PAD_W)
     tl.store(post_ptr, post)
     _fill_tail(sorted_ptr, expert_ids_ptr, post, numel, max_padded, max_blocks, 0, 1, BLOCK_M, FILL)
+    if LOCAL_COUNTS:  # pairs per local expert (what count_expert_num_tokens returns), for free
+        lbins = tl.arange(0, LOCAL_BINS)
+        local = tl.sum((expert[:, None] == lbins[None, :]).to(tl.int32), axis=0)
+        tl.store(out_ptr + local_off + lbins, local, mask=lbins < num_local)
 
 
 @dataclass
@@ -248,6 +266,7 @@ class AlignedBlocks:
     -1. Sizes come from an upper bound, so nothing here needed a host sync. All three live in one
     int32 ``buffer`` (sorted ids at 0, expert ids at ``expert_offset``, the used rows at
     ``post_offset``); the kernels take the buffer and the offsets, so a launch makes no views.
+    With ``counts`` asked for, the buffer also holds the pairs per local expert (``counts``).
     """
 
     buffer: torch.Tensor
@@ -255,14 +274,17 @@ class AlignedBlocks:
     max_blocks: int
     block_m: int
     numel: int
+    num_local: int = 0  # > 0 when the buffer holds the counts per local expert
 
-    @property
-    def expert_offset(self) -> int:
-        return _round32(self.max_padded)
+    def __post_init__(self):
+        self.expert_offset = _round32(self.max_padded)
+        self.post_offset = self.expert_offset + _round32(self.max_blocks)
+        self.local_offset = self.post_offset + 32
 
-    @property
-    def post_offset(self) -> int:
-        return self.expert_offset + _round32(self.max_blocks)
+    @functools.cached_property
+    def counts(self) -> torch.Tensor | None:
+        """int32 ``[num_local]`` pairs per local expert (as ``count_expert_num_tokens``), or None."""
+        return self.buffer[self.local_offset : self.local_offset + self.num_local] if self.num_local else None
 
     @functools.cached_property
     def sorted_token_ids(self) -> torch.Tensor:
@@ -395,48 +417,55 @@ def launch_align(
     *,
     num_local_experts: int | None = None,
     keep_empty: bool = False,
+    counts: bool = False,
     stream: tuple[int, int] | None = None,
 ) -> AlignedBlocks:
-    """:func:`moe_align_block_size` without its checks, for callers that checked the ids already."""
+    """:func:`moe_align_block_size` without its checks, for callers that checked the ids already.
+    ``counts=True`` also writes the pairs per local expert (``AlignedBlocks.counts``), for free."""
     E, numel, device = global_num_experts, topk_ids.numel(), topk_ids.device
     num_local = num_local_experts if num_local_experts is not None else E
     max_padded = max_padded_size(numel, E + 1, block_m)
-    max_blocks = max_padded // block_m
     small = numel <= TILE
     num_tiles = 0 if small else cdiv(numel, TILE)
-    out = AlignedBlocks(None, max_padded, max_blocks, block_m, numel)
-    expert_off, post_off = out.expert_offset, out.post_offset
-    # One allocation: outputs, then (three-launch path) counts [E + 1, num_tiles] and totals [E + 1].
-    counts_off = post_off + 32
+    out = AlignedBlocks(None, max_padded, max_padded // block_m, block_m, numel, num_local if counts else 0)
+    max_blocks, expert_off, post_off, local_off = out.max_blocks, out.expert_offset, out.post_offset, out.local_offset
+    # One allocation: outputs and local counts, then (three-launch path) counts [E + 1, num_tiles]
+    # and totals [E + 1].
+    counts_off = local_off + _round32(num_local)
     totals_off = counts_off + (0 if small else _round32((E + 1) * num_tiles))
     out.buffer = torch.empty(totals_off + (0 if small else _round32(E + 1)), dtype=torch.int32, device=device)
     if numel == 0:
         out.num_tokens_post_padded.zero_()
+        if counts:
+            out.counts.zero_()
         return out
     # One spare bin for dropped pairs; tl.histogram wants at least 32 bins.
     NUM_BINS = max(32, next_power_of_2(E + 2))
+    local_bins = max(16, next_power_of_2(num_local))
     has_map = expert_map is not None
     flags = dict(HAS_MAP=has_map, KEEP_EMPTY=keep_empty, NUM_BINS=NUM_BINS)
     ids, buf = topk_ids, out.buffer
     dims = (numel, E, num_local)
     pad_w = max(16, block_m)
-    # Every offset is a multiple of 32, sizes are specialized by value class; the ids may be a chunk's
-    # slice (any alignment), the map any int dtype.
+    # Every offset is a multiple of 32 and sizes are specialized by value class; the ids may be a
+    # chunk's slice (any alignment), the map any int dtype.
     key = (ids.dtype, None if not has_map else (expert_map.dtype, expert_map.data_ptr() % 16), ids.data_ptr() % 16,
-           block_m, keep_empty, int_spec(E), int_spec(num_local), int_spec(max_padded), int_spec(max_blocks),
-           int_spec(expert_off), int_spec(post_off))  # fmt: skip
+           block_m, keep_empty, counts, E, num_local, int_spec(max_padded), int_spec(max_blocks), int_spec(expert_off),
+           int_spec(post_off))  # fmt: skip
     if small:
         tile = max(16, next_power_of_2(numel))
-        _SMALL((1,), (ids, expert_map, buf, *dims, max_padded, max_blocks, expert_off, post_off), key=key + (tile,),
-               constexprs=lambda: dict(BLOCK_M=block_m, TILE=tile, PAD_W=pad_w, FILL=_FILL, **flags,
-                                       num_warps=4 if NUM_BINS <= 256 else 8), stream=stream)  # fmt: skip
+        _SMALL((1,), (ids, expert_map, buf, *dims, max_padded, max_blocks, expert_off, post_off, local_off),
+               key=key + (tile,), stream=stream, constexprs=lambda: dict(
+                   BLOCK_M=block_m, TILE=tile, PAD_W=pad_w, FILL=_FILL, LOCAL_COUNTS=counts, LOCAL_BINS=local_bins,
+                   **flags, num_warps=4 if NUM_BINS <= 256 else 8))  # fmt: skip
         return out
     key = key + (int_spec(num_tiles), int_spec(counts_off), int_spec(totals_off))
-    _COUNT((num_tiles,), (ids, expert_map, buf, *dims, num_tiles, counts_off), key=key,
-           constexprs=lambda: dict(TILE=TILE, **flags), stream=stream)  # fmt: skip
+    _COUNT((num_tiles,), (ids, expert_map, buf, *dims, num_tiles, counts_off, local_off), key=key, stream=stream,
+           constexprs=lambda: dict(TILE=TILE, LOCAL_COUNTS=counts, LOCAL_BINS=local_bins, **flags))  # fmt: skip
     scan_block = min(1024, max(16, next_power_of_2(num_tiles)))
-    _SCAN((E + 1,), (buf, num_tiles, counts_off, totals_off), key=key + (scan_block,),
-          constexprs=lambda: dict(BLOCK=scan_block, num_warps=4), stream=stream)  # fmt: skip
+    _SCAN((E + 1,), (buf, expert_map, num_tiles, counts_off, totals_off, E, num_local, local_off),
+          key=key + (scan_block,), stream=stream,
+          constexprs=lambda: dict(BLOCK=scan_block, HAS_MAP=has_map, LOCAL_COUNTS=counts, num_warps=4))  # fmt: skip
     owned = next_power_of_2(cdiv(E + 1, num_tiles))
     _SCATTER((num_tiles,), (ids, expert_map, buf, *dims, num_tiles, max_padded, max_blocks, expert_off, post_off,
                             counts_off, totals_off), key=key + (owned,),

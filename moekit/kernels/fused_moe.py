@@ -36,7 +36,7 @@ from moekit.kernels.align import AlignedBlocks
 from moekit.kernels.configs import KernelConfig
 from moekit.kernels.gemm_args import GatedOutput, RowWindow, check_gemm_args
 from moekit.kernels.host_math import cdiv
-from moekit.kernels.launch import LeanLauncher, int_spec
+from moekit.kernels.launch import LeanLauncher
 from moekit.kernels.report import KernelReport, kernel_reports
 from moekit.quant import FP8, FP8_GROUP, FP8_MAX, TINY_SCALE
 
@@ -374,12 +374,13 @@ def launch_gemm(
     strides = (a.stride(0), a.stride(1), *w.stride(), stride_pair, stride_col, *scales[2:], *epilogue[2:])
     args = (a, w, out, scales[0], scales[1], blocks.buffer, *epilogue[:2], w if w_desc is None else w_desc,
             width, K, blocks.numel, num_blocks, start, blocks.expert_offset, blocks.post_offset, *strides)  # fmt: skip
-    # What selects the compiled variant beyond the config and flags: dtypes, the alignment of every
-    # pointer (chunks slice a and out), and the integer class of every specialized size and stride.
-    ptrs = (a, out, scales[0], out_scale, epilogue[1])
+    # What selects the compiled variant beyond the config and flags: the dtypes, the sizes and strides
+    # (fixed per layer, except the fp8 scales' strides), the alignment of every pointer (chunks slice
+    # a and out). numel, num_blocks and the offsets are not specialized.
     key = (config, a.dtype, w.dtype, out.dtype, out_scale.dtype, pairs_per_row, gated is not None, quant_out,
-           static is not None, w_desc is not None, read_pos, write_pos, blocks.block_m, int_spec(width), int_spec(K),
-           tuple(int_spec(v) for v in strides), tuple(t.data_ptr() % 16 for t in ptrs), w.data_ptr() % 16)  # fmt: skip
+           static is not None, w_desc is not None, read_pos, write_pos, blocks.block_m, width, K, strides,
+           a.data_ptr() % 16, out.data_ptr() % 16, scales[0].data_ptr() % 16, out_scale.data_ptr() % 16,
+           epilogue[1].data_ptr() % 16, w.data_ptr() % 16)  # fmt: skip
 
     def constexprs() -> dict:
         return dict(

@@ -43,6 +43,7 @@ from moekit.device import interpreting
 # Triton 3.6 (what the H200 runs, where it is tested) and 3.9 (the pin of the CPU suite).
 _CONVENTION = ((3, 6), (3, 9))
 _VERIFY = contextvars.ContextVar("moekit_verify_launches", default=False)
+_MAX_KEYS = 4096  # kept variants per launcher
 
 
 class LaunchKeyError(AssertionError):
@@ -112,7 +113,7 @@ class LeanLauncher:
                  stream: tuple[int, int] | None = None) -> None:  # fmt: skip
         """Launch ``fn[grid](*args, **constexprs())``; ``args`` are the runtime arguments in order."""
         variant = self._variants.get(key) if self._direct else None
-        if variant is None or triton.knobs.runtime.launch_enter_hook is not None:
+        if variant is None or _hooked():
             self._plain(grid, args, key, constexprs())
             return
         device, raw = stream if stream is not None else launch_stream()
@@ -127,10 +128,12 @@ class LeanLauncher:
 
     def _plain(self, grid, args, key, consts: dict) -> None:
         compiled = self.fn[grid](*args, **consts)
-        if not self._direct or compiled is None or triton.knobs.runtime.launch_enter_hook is not None:
+        if not self._direct or compiled is None or _hooked():
             return
         tail = tuple(consts[n] if n in consts else self._defaults[n] for n in self._tail_names)
         with self._lock:
+            if len(self._variants) >= _MAX_KEYS:  # keys that follow M: forget them all now and then
+                self._variants.clear()
             self._variants.setdefault(key, _Variant(compiled, tail, torch.cuda.current_device()))
 
     def _verify(self, variant: _Variant, args: tuple, consts: dict) -> None:
@@ -155,6 +158,13 @@ class LeanLauncher:
         """Forget every kept variant (the next launch of each key binds again)."""
         with self._lock:
             self._variants.clear()
+
+
+def _hooked() -> bool:
+    """Whether a launch hook listens (a profiler): then every launch takes Triton's own path."""
+    hook = triton.knobs.runtime.launch_enter_hook  # an empty HookChain in 3.6-3.9, None in older ones
+    calls = getattr(hook, "calls", None)
+    return hook is not None and (calls is None or len(calls) > 0)
 
 
 def aligned(*tensors: torch.Tensor | None) -> bool:

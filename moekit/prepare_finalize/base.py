@@ -69,8 +69,8 @@ def quantize_activations(x: torch.Tensor, quant: QuantScheme) -> tuple[torch.Ten
 def weight_and_reduce(fused_out: torch.Tensor, topk_weights: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
     """``output[m] = sum_j topk_weights[m, j] * fused_out[m, j]`` (one Triton pass, fp32 accumulation).
 
-    The arguments were checked at the modular kernel's door: ``fused_out`` is the experts' own
-    contiguous output, ``output`` a fresh ``[M, K]`` tensor."""
+    The arguments were checked at the modular kernel's door; ``output`` is a fresh ``[M, K]`` tensor.
+    """
     from moekit.kernels.reduce import launch_weighted_topk_sum
 
-    return launch_weighted_topk_sum(fused_out, topk_weights.contiguous(), output)
+    return launch_weighted_topk_sum(fused_out.contiguous(), topk_weights.contiguous(), output)

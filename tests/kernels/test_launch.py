@@ -1,0 +1,124 @@
+"""moekit.kernels.launch: the lean launch path. On a CPU (the interpreter) it is off and every launch is
+Triton's plain one; its bookkeeping is tested here with a stand-in jit function, and on a GPU every
+test runs with :func:`verifying` on (tests/conftest.py), which checks each key against Triton's binder."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import triton
+
+import moekit
+from moekit.kernels import launch as L
+
+
+class FakeCompiled:
+    def __init__(self, log):
+        self.function, self.packed_metadata, self.log = "fn", "meta", log
+        self.run = lambda *a: log.append(("direct", a))
+
+
+class FakeJit:
+    """Three runtime parameters then two compile-time ones, as the kernels lay them out."""
+
+    arg_names = ["x", "y", "n", "BLOCK", "FLAG"]
+    params = [SimpleNamespace(name=n, is_constexpr=c, default=d)
+              for n, c, d in (("x", False, None), ("y", False, None), ("n", False, None), ("BLOCK", True, None),
+                              ("FLAG", True, 7))]  # fmt: skip
+    __name__ = "fake"
+
+    def __init__(self):
+        self.log = []
+
+    def __getitem__(self, grid):
+        def plain(*args, **consts):
+            self.log.append(("plain", grid, args, consts))
+            return FakeCompiled(self.log)
+
+        return plain
+
+
+@pytest.fixture
+def lean(monkeypatch):
+    monkeypatch.setattr(L, "lean_supported", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+
+def test_off_under_the_interpreter_and_for_unread_versions(monkeypatch):
+    if moekit.device.interpreting():
+        assert not L.lean_supported()
+    monkeypatch.setattr(L, "interpreting", lambda: False)
+    for version, ok in (("3.5.1", False), ("3.6.0", True), ("3.9.0", True), ("3.10.0", False), ("3.6.0+git1", True)):
+        monkeypatch.setattr(triton, "__version__", version)
+        assert L.lean_supported() is ok, version
+
+
+def test_the_first_launch_of_a_key_binds_later_ones_go_direct(lean):
+    fn = FakeJit()
+    launcher = L.LeanLauncher(fn)
+    for _ in range(3):
+        launcher((4,), ("a", "b", 5), key=("k",), constexprs=lambda: dict(BLOCK=16, num_warps=4), stream=(0, 99))
+    kinds = [entry[0] for entry in fn.log]
+    assert kinds == ["plain", "direct", "direct"]
+    _, args = fn.log[1]
+    # grid padded to 3-D, the stream, the handles, no metadata or hooks, runtime args, then the
+    # compile-time ones in signature order (a default where none was given)
+    assert args == (4, 1, 1, 99, "fn", "meta", None, None, None, "a", "b", 5, 16, 7)
+
+
+def test_a_new_key_binds_again_and_keys_are_bounded(lean, monkeypatch):
+    fn = FakeJit()
+    launcher = L.LeanLauncher(fn)
+    monkeypatch.setattr(L, "_MAX_KEYS", 2)
+    for key in ("a", "b", "c", "a"):
+        launcher((1,), (1, 2, 3), key=key, constexprs=lambda: dict(BLOCK=16), stream=(0, 1))
+    assert [e[0] for e in fn.log] == ["plain", "plain", "plain", "plain"]  # "a" was forgotten at the bound
+    launcher((1,), (1, 2, 3), key="a", constexprs=lambda: dict(BLOCK=16), stream=(0, 1))
+    assert fn.log[-1][0] == "direct"
+
+
+def test_another_device_or_a_launch_hook_takes_the_plain_path(lean, monkeypatch):
+    fn = FakeJit()
+    launcher = L.LeanLauncher(fn)
+    launcher((1,), (1, 2, 3), key="k", constexprs=lambda: dict(BLOCK=16), stream=(0, 1))
+    launcher((1,), (1, 2, 3), key="k", constexprs=lambda: dict(BLOCK=16), stream=(1, 5))  # kept for device 0
+    chain = triton.knobs.runtime.launch_enter_hook
+    monkeypatch.setattr(chain, "calls", [lambda *a: None])  # a profiler listens
+    launcher((1,), (1, 2, 3), key="k", constexprs=lambda: dict(BLOCK=16), stream=(0, 1))
+    assert [e[0] for e in fn.log] == ["plain", "plain", "plain"]
+
+
+def test_kernels_whose_compile_time_parameters_are_not_last_stay_plain(lean):
+    fn = FakeJit()
+    fn.params = [fn.params[3], *fn.params[:3], fn.params[4]]  # a constexpr first
+    launcher = L.LeanLauncher(fn)
+    for _ in range(2):
+        launcher((1,), (1, 2, 3), key="k", constexprs=lambda: dict(BLOCK=16), stream=(0, 1))
+    assert [e[0] for e in fn.log] == ["plain", "plain"]
+
+
+def test_verifying_catches_a_key_that_misses_a_specialization(lean, monkeypatch):
+    fn = FakeJit()
+    launcher = L.LeanLauncher(fn)
+    launcher((1,), (1, 2, 3), key="k", constexprs=lambda: dict(BLOCK=16), stream=(0, 1))
+    other = object()
+    # Triton's binder would pick another compiled variant for these arguments.
+    fn.debug = False
+    fn.device_caches = {0: ({"the-key": other}, {}, None, None, lambda *a, **k: (None, ["spec"], {}))}
+    import sys
+
+    monkeypatch.setattr("triton.runtime.jit.compute_cache_key", lambda cache, spec, opts: "the-key")
+    monkeypatch.setattr(sys.modules["triton.runtime.driver"], "driver", SimpleNamespace(active=SimpleNamespace(
+        get_current_device=lambda: 0)))  # fmt: skip
+    with L.verifying(), pytest.raises(L.LaunchKeyError, match="fake: the launch key selected a variant"):
+        launcher((1,), (1, 2, 3), key="k", constexprs=lambda: dict(BLOCK=16), stream=(0, 1))
+    launcher((1,), (1, 2, 3), key="k", constexprs=lambda: dict(BLOCK=16), stream=(0, 1))  # not verifying: trusted
+    assert fn.log[-1][0] == "direct"
+
+
+def test_int_spec_and_alignment_follow_tritons_classes():
+    assert [L.int_spec(v) for v in (1, 16, 32, 7, 0, 2**31, -(2**31) - 1)] == [1, 16, 16, 0, 16, 80, 64]
+    x = torch.empty(64, dtype=torch.float32)
+    assert L.aligned(x, None) and not L.aligned(x[1:])
