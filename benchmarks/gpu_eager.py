@@ -132,7 +132,7 @@ def layer_rows(w1, w2, calls: int, quick: bool) -> list[dict]:
     for C in (128, 64, 32, 16):  # host per further chunk, at M=128
         kernel = moekit.ModularKernel(NoEPPrepareFinalize(), TritonExperts(), chunk_size=C)
         s = inputs(128, w1, 0)
-        fn = lambda k=kernel, s=s: k(s[0], w1, w2, s[1], s[2])  # noqa: E731
+        fn = lambda k=kernel, s=s: k(s[0], w1, w2, s[1], s[2])
         row = {"case": "host per chunk", "M": 128, "C": C, "chunks": 128 // C, "host_us": host_us(fn)}
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -158,9 +158,9 @@ def rows_rows(w1, w2, calls: int) -> list[dict]:
 
 
 def hf_rows(calls: int) -> list[dict]:
-    import moekit.integrations.transformers as moekit_hf
-
     import transformers
+
+    import moekit.integrations.transformers as moekit_hf
 
     moekit_hf.register(name="moekit")
     cfg = transformers.AutoConfig.for_model(

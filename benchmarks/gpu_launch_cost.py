@@ -28,15 +28,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import triton  # noqa: E402
-from triton.runtime import driver  # noqa: E402
-from triton.runtime import jit as triton_jit  # noqa: E402
+import triton
+from triton.runtime import driver
+from triton.runtime import jit as triton_jit
 
-import moekit  # noqa: E402
-from moekit import roofline  # noqa: E402
-from moekit.experts import TritonExperts  # noqa: E402
-from moekit.prepare_finalize import NoEPPrepareFinalize  # noqa: E402
-from moekit.testing import make_problem  # noqa: E402
+import moekit
+from moekit import roofline
+from moekit.experts import TritonExperts
+from moekit.prepare_finalize import NoEPPrepareFinalize
+from moekit.testing import make_problem
 
 
 def per_call_us(fn, calls: int) -> float:
@@ -126,14 +126,17 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     out = Path(args.out)
     shape = roofline.get_shape("qwen3_30b_a3b")
-    result = {"cpu": platform.processor() or platform.machine(), "triton": triton.__version__, "torch": torch.__version__}
+    result = {"cpu": platform.processor() or platform.machine(), "triton": triton.__version__,
+              "torch": torch.__version__}  # fmt: skip
     try:
-        result["cpu_model"] = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if "model name" in line)
+        lines = open("/proc/cpuinfo").read().splitlines()
+        result["cpu_model"] = next(line.split(":", 1)[1].strip() for line in lines if "model name" in line)
     except (OSError, StopIteration):
         pass
     x = torch.empty(64, device="cuda")
     result["torch_empty_us"] = per_call_us(lambda: torch.empty(64, device="cuda"), args.calls)
-    result["torch_empty_2d_us"] = per_call_us(lambda: torch.empty((1, 2048), dtype=torch.bfloat16, device="cuda"), args.calls)
+    empty_2d = lambda: torch.empty((1, 2048), dtype=torch.bfloat16, device="cuda")  # noqa: E731
+    result["torch_empty_2d_us"] = per_call_us(empty_2d, args.calls)
     result["current_stream_us"] = per_call_us(lambda: torch.cuda.current_stream(), args.calls)
     result["view_slice_us"] = per_call_us(lambda: x[3:9], args.calls)
     result["layers"] = []
@@ -141,7 +144,7 @@ def main(argv=None) -> int:
         p = make_problem(M, E=shape.E, topk=shape.topk, K=shape.K, N=shape.N, dtype=torch.bfloat16, device="cuda")
         for trace_counts in (True, False):
             kernel = moekit.ModularKernel(NoEPPrepareFinalize(), TritonExperts(), trace_counts=trace_counts)
-            fwd = lambda k=kernel, p=p: k(*p.inputs(), **p.options())  # noqa: E731
+            fwd = lambda k=kernel, p=p: k(*p.inputs(), **p.options())
             launches = record_launches(fwd)
             row = {
                 "M": M, "trace_counts": trace_counts, "launches": len(launches),

@@ -234,9 +234,21 @@ class ModularKernel:
             fill = counts is None and self.trace_counts
             call = plan.call(chunk, pool.take(given), own, counts, meta, fill_counts=fill)
             record = trace.add(chunk, plan.backend(chunk), given, own, call.output, counts, per_expert)
-            record.finish(plan.run(self.experts, call), self.experts.why(call.problem), call.counts)
+            self._run(plan, chunk, call, record)
         trace.peak_workspace_bytes = pool.peak_bytes
         return plan.output
+
+    def _run(self, plan, chunk, call, record) -> None:
+        try:
+            backend = plan.run(self.experts, call)
+        except BaseException:
+            if record.counts is None and self.trace_counts:  # the trace of a failed chunk still shows its routing
+                try:
+                    record.counts = plan.count(chunk)
+                except Exception:  # the chunk's own error is the one to see
+                    pass
+            raise
+        record.finish(backend, self.experts.why(call.problem), call.counts)
 
     def _counts(self, plan, chunk, whole_meta) -> torch.Tensor | None:
         """This chunk's rows per local expert, counted at most once: for its metadata, its experts

@@ -421,7 +421,7 @@ def test_the_checks_do_not_grow_with_the_chunks(experts):
     made = {}
     for C in (None, 16):
         kernel = ModularKernel(NoEPPrepareFinalize(), experts_class(experts)(quant=quant), chunk_size=C)
-        run = lambda k=kernel: k(*p.inputs(), **p.options())  # noqa: E731
+        run = lambda k=kernel: k(*p.inputs(), **p.options())
         run()  # the first call compiles and fills the caches
         made[C] = _checks_made(run)
         assert len(kernel.last_trace) == (1 if C is None else 4)

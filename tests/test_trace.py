@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import moekit
-from moekit.plan import chunk_ranges
 from moekit.experts import TritonExperts
+from moekit.plan import chunk_ranges
 from moekit.prepare_finalize import NoEPPrepareFinalize
 from moekit.reference import count_reference
 from moekit.testing import make_problem

@@ -78,6 +78,7 @@ def declared_workspace_bytes(experts, shape: roofline.LayerShape, M: int, C: int
     arithmetic as a real run, with no memory touched.
     """
     from moekit.chunking import chunk_ranges
+
     from moekit.types import ProblemSize
     from moekit.workspace import WorkspacePool
 
