@@ -135,7 +135,7 @@ def main(argv=None) -> int:
         pass
     x = torch.empty(64, device="cuda")
     result["torch_empty_us"] = per_call_us(lambda: torch.empty(64, device="cuda"), args.calls)
-    empty_2d = lambda: torch.empty((1, 2048), dtype=torch.bfloat16, device="cuda")  # noqa: E731
+    empty_2d = lambda: torch.empty((1, 2048), dtype=torch.bfloat16, device="cuda")
     result["torch_empty_2d_us"] = per_call_us(empty_2d, args.calls)
     result["current_stream_us"] = per_call_us(lambda: torch.cuda.current_stream(), args.calls)
     result["view_slice_us"] = per_call_us(lambda: x[3:9], args.calls)
