@@ -53,7 +53,7 @@ from moekit.policies import (
 from moekit.prepare_finalize.base import PrepareFinalize
 from moekit.trace import Trace
 from moekit.types import ActivationFormat, ExpertPlacement, MoEWeights, Prepared, ProblemSize
-from moekit.validate import check_flag, check_id_range, check_moe_inputs, check_placement
+from moekit.validate import check_flag, check_id_range, check_kernel_device, check_moe_inputs, check_placement
 from moekit.workspace import WorkspacePool
 
 CHUNK_BY = ("tokens", "rows")
@@ -287,6 +287,7 @@ class ModularKernel:
                 f"{self.prepare_finalize.name} hands the experts other rows (dispatched); pass a per-tensor "
                 "scale (one element)"
             )
+        check_kernel_device(hidden, "hidden")  # last, so that a call's other mistakes are named on any machine
         return weights, placement, problem
 
     def _own_pool(self, device: torch.device) -> WorkspacePool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from moekit.device import interpreting
 from moekit.errors import InvalidIdsError, InvalidInputError
 from moekit.quant import FP8
 from moekit.types import ExpertPlacement
@@ -68,13 +69,12 @@ def check_numel(topk_ids: torch.Tensor) -> None:
 
 def check_kernel_device(t: torch.Tensor, name: str) -> None:
     """``t`` must live where moekit's kernels run: the CPU under the interpreter, else a CUDA GPU."""
-    from moekit.device import interpreting
-
     kind = t.device.type
     if interpreting() and kind != "cpu":
         raise InvalidInputError(f"{name} is on {t.device}, but Triton interprets on the CPU here; move it to the CPU")
     if not interpreting() and kind != "cuda":
-        raise InvalidInputError(f"{name} is on {t.device}, but Triton compiles for CUDA here; move it to the GPU")
+        where = "the CPU" if kind == "cpu" else str(t.device)
+        raise InvalidInputError(f"{name} is on {where}, but Triton compiles for CUDA here; move it to the GPU")
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
@@ -152,7 +152,6 @@ def check_moe_inputs(
         tensors = (hidden, w1, w2, topk_weights, topk_ids)
         got = ", ".join(f"{n} on {t.device}" for n, t in zip(names, tensors, strict=True))
         raise InvalidInputError(f"all tensors must be on one device, got {got}")
-    check_kernel_device(hidden, "hidden")
     if torch.is_grad_enabled() and (hidden.requires_grad or w1.requires_grad or w2.requires_grad
                                     or topk_weights.requires_grad):  # fmt: skip
         raise InvalidInputError(

@@ -160,8 +160,15 @@ def test_dtype_mismatches_are_named(change, message):
 
 
 def test_a_tensor_on_another_device_is_named():
-    with expect_raises(InvalidInputError, match=r"all tensors must be on one device, got \['cpu', 'meta'\]"):
+    with expect_raises(InvalidInputError, match="all tensors must be on one device, got hidden on cpu, .*w2 on meta"):
         check_moe_inputs(**inputs(w2=torch.empty(4, 64, 32, device="meta")))
+
+
+def test_inputs_that_would_need_a_gradient_are_named():
+    with expect_raises(InvalidInputError, match="inference-only.*torch.no_grad"):
+        check_moe_inputs(**inputs(hidden=torch.randn(6, 64, requires_grad=True)))
+    with torch.no_grad():
+        check_moe_inputs(**inputs(hidden=torch.randn(6, 64, requires_grad=True)))
 
 
 def test_check_float():

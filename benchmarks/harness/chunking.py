@@ -77,8 +77,7 @@ def declared_workspace_bytes(experts, shape: roofline.LayerShape, M: int, C: int
     :class:`~moekit.workspace.WorkspacePool` on the ``meta`` device: the same alignment
     arithmetic as a real run, with no memory touched.
     """
-    from moekit.chunking import chunk_ranges
-
+    from moekit.plan import chunk_ranges
     from moekit.types import ProblemSize
     from moekit.workspace import WorkspacePool
 

@@ -226,7 +226,7 @@ def launch_count(
     if method == "scan":
         out = torch.empty(num_local_experts, dtype=torch.int32, device=device) if out is None else out
         block = next_power_of_2(min(numel, 1024))
-        key = ("scan", topk_ids.dtype, map_key, block, int_spec(limit), int_spec(num_local_experts),
+        key = ("scan", topk_ids.dtype, map_key, block, int_spec(numel), int_spec(limit), int_spec(num_local_experts),
                topk_ids.data_ptr() % 16, out.data_ptr() % 16, 0 if not has_map else expert_map.data_ptr() % 16)  # fmt: skip
         _SCAN((num_local_experts,), (topk_ids, expert_map, out, numel, limit, num_local_experts), key=key,
               constexprs=lambda: dict(HAS_MAP=has_map, BLOCK=block), stream=stream)  # fmt: skip
