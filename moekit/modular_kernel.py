@@ -52,8 +52,16 @@ from moekit.policies import (
 )
 from moekit.prepare_finalize.base import PrepareFinalize
 from moekit.trace import Trace
-from moekit.types import ActivationFormat, ExpertPlacement, MoEWeights, Prepared, ProblemSize
-from moekit.validate import check_flag, check_id_range, check_kernel_device, check_moe_inputs, check_placement
+from moekit.types import ActivationFormat, ExpertPlacement, MoEWeights, Prepared, ProblemSize, problem_size
+from moekit.validate import (
+    SeenValues,
+    check_flag,
+    check_id_range,
+    check_kernel_device,
+    check_moe_inputs,
+    check_placement,
+    check_scale_values,
+)
 from moekit.workspace import WorkspacePool
 
 CHUNK_BY = ("tokens", "rows")
@@ -128,6 +136,7 @@ class ModularKernel:
             experts, guard=guard)  # fmt: skip
         self.metadata = METADATA_POLICIES[metadata_policy]()
         self._local = threading.local()
+        self._seen = SeenValues()  # the expert maps and scales whose values this kernel checked already
 
     @property
     def workspace_policy(self) -> str:
@@ -268,14 +277,16 @@ class ModularKernel:
         """Every argument, once, before anything runs (also when M is 0)."""
         check_moe_inputs(hidden, w1, w2, topk_weights, topk_ids)
         weights = MoEWeights(w1, w2, w1_scale, w2_scale)
-        placement = check_placement(w1, expert_map, global_num_experts, hidden.device)
+        placement = check_placement(w1, expert_map, global_num_experts, hidden.device, self._seen)
         if expert_map is not None and not self.experts.supports_expert_map:
             raise InvalidInputError(f"{self.experts.name} does not support an expert_map")
         check_id_range(topk_ids, placement.global_num_experts)
         E, N, K = w1.shape
         M, topk = topk_ids.shape
-        problem = ProblemSize(M, N, K, topk, placement.global_num_experts, placement.num_local_experts)
+        problem = problem_size(M, N, K, topk, placement.global_num_experts, placement.num_local_experts)
         self.experts.check(problem, weights, a2_scale=a2_scale)
+        if a2_scale is not None:
+            check_scale_values(a2_scale, "a2_scale", self._seen)
         if a2_scale is not None and a2_scale.numel() > 1 and self.chunk_by == "rows":
             raise QuantizationError(
                 f"a per-token a2_scale ({tuple(a2_scale.shape)}) cannot follow rows sorted by expert "

@@ -6,6 +6,7 @@ E experts (global or local), topk experts per token, C chunk size.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from enum import Enum
@@ -90,13 +91,27 @@ class ProblemSize:
             raise InvalidInputError(
                 f"local experts ({self.num_local_experts}) > global experts ({self.global_num_experts})"
             )
+        object.__setattr__(self, "_hash", hash(self._key()))
+
+    def _key(self) -> tuple:
+        return (self.M, self.N, self.K, self.topk, self.global_num_experts, self.num_local_experts)
+
+    def __hash__(self) -> int:  # computed once: sizes are keys of the plans' remembered shapes
+        return self._hash
 
     def with_M(self, M: int) -> ProblemSize:
         """The same problem for another row count (a chunk); not validated again: M comes from a plan."""
         sub = object.__new__(ProblemSize)
         sub.__dict__.update(self.__dict__)
         sub.__dict__["M"] = M
+        sub.__dict__["_hash"] = hash(sub._key())
         return sub
+
+
+@functools.lru_cache(maxsize=1024)
+def problem_size(M: int, N: int, K: int, topk: int, global_num_experts: int, num_local_experts: int) -> ProblemSize:
+    """``ProblemSize(...)``, validated once per set of sizes (every forward asks for one)."""
+    return ProblemSize(M, N, K, topk, global_num_experts, num_local_experts)
 
 
 @dataclass(frozen=True)
@@ -162,6 +177,17 @@ class ExpertTokensMetadata:
         return cls(counts, counts.to("cpu") if with_cpu else None)
 
 
+@functools.lru_cache(maxsize=256)
+def expert_bytes(N: int, K: int, dtype: torch.dtype, *, scaled: bool) -> int:
+    """Bytes of one expert: w1 ``[N, K]`` and w2 ``[K, N/2]`` in ``dtype``, plus (``scaled``) their
+    fp32 128x128 block scales ``[N/128, K/128]`` and ``[K/128, N/256]``."""
+    weights = (N * K + K * (N // 2)) * dtype.itemsize
+    if not scaled:
+        return weights
+    return weights + 4 * (math.ceil(N / FP8_GROUP) * math.ceil(K / FP8_GROUP)
+                          + math.ceil(K / FP8_GROUP) * math.ceil(N // 2 / FP8_GROUP))  # fmt: skip
+
+
 @dataclass
 class MoEWeights:
     """Expert weights as the experts consume them.
@@ -184,12 +210,8 @@ class MoEWeights:
     @property
     def expert_bytes(self) -> int:
         """Bytes of one expert's w1 and w2 and their fp32 block scales: what a chunk reads per expert it touches."""
-        total = 0
-        for t in (self.w1, self.w2, self.w1_scale, self.w2_scale):
-            if t is not None:
-                E, *rest = t.shape
-                total += math.prod(rest) * t.element_size() if E else 0
-        return total
+        E, N, K = self.w1.shape
+        return expert_bytes(N, K, self.w1.dtype, scaled=self.w1_scale is not None) if E else 0
 
     def check(self, expected: QuantScheme) -> None:
         """Raise QuantizationError unless the weights match ``expected``."""

@@ -7,10 +7,13 @@ kernel launchers) trust what they are handed.
 
 from __future__ import annotations
 
+import functools
+import threading
+
 import torch
 
 from moekit.device import interpreting
-from moekit.errors import InvalidIdsError, InvalidInputError
+from moekit.errors import InvalidIdsError, InvalidInputError, QuantizationError
 from moekit.quant import FP8
 from moekit.types import ExpertPlacement
 
@@ -131,23 +134,24 @@ def check_moe_inputs(
     check_float(w2, "w2", dims=3, allow_fp8=True)
     check_float(topk_weights, "topk_weights", dims=2)
     check_ids(topk_ids)
-    M, K = hidden.shape
-    E, N, K1 = w1.shape
+    (M, K), (E, N, K1), ids_shape = hidden.shape, w1.shape, topk_ids.shape
     if K1 != K:
         raise InvalidInputError(f"w1 must be [E, N, K={K}] to match hidden [M, K], got {tuple(w1.shape)}")
     if N % 2 or N == 0:
         raise InvalidInputError(f"w1 must have an even N > 0 (gate rows then up rows), got N={N}")
     if E == 0:
         raise InvalidInputError(f"w1 must hold at least one expert, got {tuple(w1.shape)}")
-    if tuple(w2.shape) != (E, K, N // 2):
+    if w2.shape != (E, K, N // 2):
         raise InvalidInputError(f"w2 must be [E, K, N/2] = {(E, K, N // 2)}, got {tuple(w2.shape)}")
-    if topk_ids.shape[0] != M or topk_weights.shape != topk_ids.shape or topk_ids.shape[1] == 0:
+    if ids_shape[0] != M or topk_weights.shape != ids_shape or ids_shape[1] == 0:
         raise InvalidInputError(
-            f"topk_ids and topk_weights must both be [M={M}, topk > 0], got {tuple(topk_ids.shape)} "
+            f"topk_ids and topk_weights must both be [M={M}, topk > 0], got {tuple(ids_shape)} "
             f"and {tuple(topk_weights.shape)}"
         )
     where, meta = hidden.get_device(), hidden.is_meta  # get_device: -1 on the CPU (and meta), else the index
-    if any(t.get_device() != where or t.is_meta != meta for t in (w1, w2, topk_weights, topk_ids)):
+    if (w1.get_device() != where or w2.get_device() != where or topk_weights.get_device() != where
+            or topk_ids.get_device() != where or meta != w1.is_meta or meta != w2.is_meta
+            or meta != topk_weights.is_meta or meta != topk_ids.is_meta):  # fmt: skip
         names = ("hidden", "w1", "w2", "topk_weights", "topk_ids")
         tensors = (hidden, w1, w2, topk_weights, topk_ids)
         got = ", ".join(f"{n} on {t.device}" for n, t in zip(names, tensors, strict=True))
@@ -167,11 +171,88 @@ def check_moe_inputs(
         raise InvalidInputError(f"w1 and w2 must share a dtype, got {w1.dtype} and {w2.dtype}")
 
 
+class SeenValues:
+    """Tensors whose values were checked already, by storage and version (a thread-safe set).
+
+    Checking the values of a tensor on the GPU (an expert map's entries, a scale) reads them on the
+    host: a sync. Each is checked the first time its storage is seen at that version (an in-place
+    write bumps the version, a new tensor has new storage), and trusted after; so a forward with the
+    same map costs no sync, and a CUDA graph capture of it (after one eager call) makes none.
+    """
+
+    def __init__(self, *, capacity: int = 64):
+        self._seen: dict[tuple, None] = {}
+        self._capacity = capacity
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(t: torch.Tensor, what: str) -> tuple:
+        return (what, t.data_ptr(), t._version, t.numel(), t.dtype, t.device)
+
+    def __contains__(self, key: tuple) -> bool:
+        return key in self._seen
+
+    def add(self, key: tuple) -> None:
+        with self._lock:
+            if len(self._seen) >= self._capacity:
+                self._seen.clear()
+            self._seen[key] = None
+
+    def __getstate__(self) -> dict:
+        return {"_capacity": self._capacity}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(capacity=state["_capacity"])
+
+
+def check_map_values(expert_map: torch.Tensor, num_local: int, seen: SeenValues | None = None) -> None:
+    """Every map entry is -1 (another rank's expert) or a local id in ``[0, num_local)``: compared in the
+    map's own dtype, so an int64 ``2**32 + 1`` is refused, not wrapped to local expert 1."""
+    key = SeenValues.key(expert_map, f"expert_map<{num_local}")
+    if seen is not None and key in seen:
+        return
+    bad = (expert_map != -1) & ((expert_map < 0) | (expert_map >= num_local))
+    if expert_map.numel() and bool(bad.any()):
+        where = bad.nonzero().flatten()[:4].tolist()
+        values = expert_map.flatten()[where].tolist()
+        raise InvalidIdsError(
+            f"expert_map entries must be -1 (another rank's expert) or a local id in [0, {num_local}), got "
+            f"{values} at global ids {where}"
+        )
+    if seen is not None:
+        seen.add(key)
+
+
+def check_scale_values(scale: torch.Tensor, name: str, seen: SeenValues | None = None) -> None:
+    """A static scale divides activations: every value must be finite and > 0 (0 zeroes the layer,
+    NaN poisons it). Checked once per storage and version (``seen``)."""
+    key = SeenValues.key(scale, name)
+    if seen is not None and key in seen:
+        return
+    ok = torch.isfinite(scale) & (scale > 0)
+    if scale.numel() and not bool(ok.all()):
+        bad = scale.flatten()[~ok.flatten()][:4].tolist()
+        raise QuantizationError(f"{name} values must be finite and > 0, got {bad}")
+    if seen is not None:
+        seen.add(key)
+
+
+@functools.lru_cache(maxsize=256)
+def _placement(E_global: int, E_local: int) -> ExpertPlacement:
+    return ExpertPlacement(E_global, E_local, None)
+
+
 def check_placement(
-    w1: torch.Tensor, expert_map: torch.Tensor | None, global_num_experts, device: torch.device
+    w1: torch.Tensor, expert_map: torch.Tensor | None, global_num_experts, device: torch.device,
+    seen: SeenValues | None = None,
 ) -> ExpertPlacement:
-    """Which experts this call holds: E_local from w1, E_global from the argument or the map."""
+    """Which experts this call holds: E_local from w1, E_global from the argument or the map; a map's
+    values are checked once per storage and version (``seen``)."""
     E_local = w1.shape[0]
+    if expert_map is None and type(global_num_experts) is int and global_num_experts >= E_local:
+        return _placement(global_num_experts, E_local)
+    if expert_map is None and global_num_experts is None:
+        return _placement(E_local, E_local)
     check_expert_map(expert_map, device=device)
     E_global = global_num_experts
     if E_global is None:
@@ -181,4 +262,6 @@ def check_placement(
         raise InvalidInputError(f"expert_map has {expert_map.numel()} entries but global_num_experts={E_global}")
     if E_global < E_local:
         raise InvalidInputError(f"global_num_experts={E_global} < local experts {E_local} (w1 holds {E_local})")
+    if expert_map is not None:
+        check_map_values(expert_map, E_local, seen)
     return ExpertPlacement(E_global, E_local, expert_map)

@@ -194,9 +194,9 @@ def test_output_layout_that_disagrees_between_backends_is_named():
 def test_per_token_a2_scale_is_sliced_per_chunk():  # upstream #28728 sliced (e, e)
     x, w1, w2, tw, ti = problem(M=10)
     experts = SwitchingTorchExperts()
-    a2 = torch.arange(10.0).view(10, 1)
+    a2 = torch.arange(1.0, 11.0).view(10, 1)
     ModularKernel(NoEPPrepareFinalize(), experts, chunk_size=4)(x, w1, w2, tw, ti, a2_scale=a2)
-    assert [c["a2"].flatten().tolist() for c in experts.calls] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert [c["a2"].flatten().tolist() for c in experts.calls] == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10]]
     per_tensor = torch.tensor([0.5])
     experts.calls.clear()
     ModularKernel(NoEPPrepareFinalize(), experts, chunk_size=4)(x, w1, w2, tw, ti, a2_scale=per_tensor)

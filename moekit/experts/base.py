@@ -97,9 +97,11 @@ class Experts(ABC):
             )
         if not isinstance(a2_scale, torch.Tensor) or not a2_scale.is_floating_point():
             raise QuantizationError(f"a2_scale must be a float tensor, got {type(a2_scale).__name__}")
-        if a2_scale.numel() not in (1, problem.M):
+        shape = tuple(a2_scale.shape)
+        per_token = problem.M > 1 and shape in ((problem.M,), (problem.M, 1))
+        if a2_scale.numel() != 1 and not per_token:
             raise QuantizationError(
-                f"a2_scale must hold 1 (per tensor) or M={problem.M} (per token) scales, got {tuple(a2_scale.shape)}"
+                f"a2_scale must hold 1 scale (per tensor) or one per token, [M={problem.M}] or [M, 1], got {shape}"
             )
 
     @abstractmethod

@@ -40,6 +40,7 @@ from moekit.types import (
     QuantScheme,
     WorkspaceShapes,
 )
+from moekit.validate import check_flag
 
 
 class TritonExperts(Experts):
@@ -64,7 +65,8 @@ class TritonExperts(Experts):
 
     def __init__(self, *, quant: QuantScheme = QuantScheme.NONE, fuse_activation: bool = False):
         super().__init__(quant=quant)
-        self.fuse_activation = bool(fuse_activation)
+        self.fuse_activation = check_flag(fuse_activation, "fuse_activation")
+        self._tiles: dict = {}  # (problem, dtype) -> the tiles of both GEMMs (a pure function of them)
 
     def __repr__(self) -> str:
         return f"{self.name}(quant={self.quant.value}, fuse_activation={self.fuse_activation})"
@@ -102,6 +104,14 @@ class TritonExperts(Experts):
 
     def tile_configs(self, problem: ProblemSize, dtype: torch.dtype) -> tuple[KernelConfig, KernelConfig]:
         """``(GEMM1, GEMM2)`` tiles for this chunk, from :func:`moekit.kernels.configs.get_config`."""
+        tiles = self._tiles.get((problem, dtype))
+        if tiles is None:
+            if len(self._tiles) > 1024:
+                self._tiles.clear()
+            tiles = self._tiles[(problem, dtype)] = self._pick_tiles(problem, dtype)
+        return tiles
+
+    def _pick_tiles(self, problem: ProblemSize, dtype: torch.dtype) -> tuple[KernelConfig, KernelConfig]:
         M, N, K, E, topk = problem.M, problem.N, problem.K, problem.global_num_experts, problem.topk
         cfg1 = get_config(M, N, K, E, topk, dtype, stage=1, gated=self.fuse_activation)
         cfg2 = get_config(M, K, N // 2, E, topk, dtype, stage=2)

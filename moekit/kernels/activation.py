@@ -12,6 +12,7 @@ goes to memory.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -156,6 +157,15 @@ def launch_silu_and_mul(x: torch.Tensor, out: torch.Tensor, rows: int, width: in
     workspaces too) will do. Returns ``out``."""
     if rows == 0 or width == 0:
         return out
+    grid, spec, consts = _silu_shape(rows, width, x_stride, out_stride)
+    key = (spec, x.dtype, out.dtype, x.data_ptr() % 16, out.data_ptr() % 16)
+    _SILU(grid, (x, out, rows, width, x_stride, out_stride), key=key, constexprs=lambda: consts, stream=stream)
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _silu_shape(rows: int, width: int, x_stride: int, out_stride: int) -> tuple[tuple, tuple, dict]:
+    """(grid, integer classes, compile-time arguments) of a launch: they follow from the sizes alone."""
     if interpreting():  # few, large programs: the interpreter pays per program
         BLOCK_H = min(next_power_of_2(width), 256)
         BLOCK_R = max(1, 4096 // BLOCK_H)
@@ -163,11 +173,8 @@ def launch_silu_and_mul(x: torch.Tensor, out: torch.Tensor, rows: int, width: in
         BLOCK_H = min(next_power_of_2(width), 1024)
         BLOCK_R = max(1, 2048 // BLOCK_H)
     grid = (cdiv(rows, BLOCK_R), cdiv(width, BLOCK_H))
-    key = (x.dtype, out.dtype, BLOCK_R, BLOCK_H, int_spec(rows), int_spec(width), int_spec(x_stride),
-           int_spec(out_stride), x.data_ptr() % 16, out.data_ptr() % 16)  # fmt: skip
-    _SILU(grid, (x, out, rows, width, x_stride, out_stride), key=key,
-          constexprs=lambda: dict(BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, FIX_ROUNDING=interpreting()), stream=stream)
-    return out
+    spec = (BLOCK_R, BLOCK_H, int_spec(rows), int_spec(width), int_spec(x_stride), int_spec(out_stride))
+    return grid, spec, dict(BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, FIX_ROUNDING=interpreting())
 
 
 @triton.jit

@@ -257,7 +257,6 @@ def _align_small_kernel(
         tl.store(out_ptr + local_off + lbins, local, mask=lbins < num_local)
 
 
-@dataclass
 class AlignedBlocks:
     """The block layout the grouped GEMM walks (see the module docstring for shapes).
 
@@ -269,22 +268,13 @@ class AlignedBlocks:
     With ``counts`` asked for, the buffer also holds the pairs per local expert (``counts``).
     """
 
-    buffer: torch.Tensor
-    max_padded: int
-    max_blocks: int
-    block_m: int
-    numel: int
-    num_local: int = 0  # > 0 when the buffer holds the counts per local expert
+    def __init__(self, buffer: torch.Tensor, shape: _AlignShape):
+        self.buffer, self.shape = buffer, shape
+        self.max_padded, self.max_blocks, self.block_m, self.numel = shape.max_padded, shape.max_blocks, shape.block_m, shape.numel
+        self.expert_offset, self.post_offset = shape.expert_off, shape.post_off
 
-    def __post_init__(self):
-        self.expert_offset = _round32(self.max_padded)
-        self.post_offset = self.expert_offset + _round32(self.max_blocks)
-        self.local_offset = self.post_offset + 32
-
-    @functools.cached_property
-    def counts(self) -> torch.Tensor | None:
-        """int32 ``[num_local]`` pairs per local expert (as ``count_expert_num_tokens``), or None."""
-        return self.buffer[self.local_offset : self.local_offset + self.num_local] if self.num_local else None
+    def __repr__(self) -> str:
+        return f"AlignedBlocks(numel={self.numel}, block_m={self.block_m}, max_padded={self.max_padded})"
 
     @functools.cached_property
     def sorted_token_ids(self) -> torch.Tensor:
@@ -297,6 +287,62 @@ class AlignedBlocks:
     @functools.cached_property
     def num_tokens_post_padded(self) -> torch.Tensor:
         return self.buffer[self.post_offset : self.post_offset + 1]
+
+    @functools.cached_property
+    def counts(self) -> torch.Tensor | None:
+        """int32 ``[num_local]`` pairs per local expert (as ``count_expert_num_tokens``), or None."""
+        sh = self.shape
+        return self.buffer[sh.local_off : sh.local_off + sh.num_local] if sh.counts else None
+
+
+@dataclass(frozen=True, eq=False)  # compared and hashed by identity: cheap as (part of) a launch key
+class _AlignShape:
+    """Everything about one align launch that follows from the sizes alone (remembered per size)."""
+
+    numel: int
+    E: int
+    num_local: int
+    block_m: int
+    counts: bool
+    max_padded: int
+    max_blocks: int
+    expert_off: int
+    post_off: int
+    local_off: int
+    counts_off: int
+    totals_off: int
+    size: int
+    small: bool
+    num_tiles: int
+    num_bins: int
+    local_bins: int
+    tile: int
+    scan_block: int
+    owned: int
+    spec: tuple  # the integer classes that select a compiled variant
+
+
+@functools.lru_cache(maxsize=4096)
+def _align_shape(numel: int, E: int, num_local: int, block_m: int, counts: bool) -> _AlignShape:
+    max_padded = max_padded_size(numel, E + 1, block_m)
+    small = numel <= TILE
+    num_tiles = 0 if small else cdiv(numel, TILE)
+    expert_off = _round32(max_padded)
+    post_off = expert_off + _round32(max_padded // block_m)
+    local_off = post_off + 32
+    # One allocation: outputs and local counts, then (three-launch path) counts [E + 1, num_tiles]
+    # and totals [E + 1].
+    counts_off = local_off + _round32(num_local)
+    totals_off = counts_off + (0 if small else _round32((E + 1) * num_tiles))
+    size = totals_off + (0 if small else _round32(E + 1))
+    spec = (int_spec(expert_off), int_spec(post_off), int_spec(num_tiles), int_spec(counts_off), int_spec(totals_off))
+    return _AlignShape(
+        numel, E, num_local, block_m, counts, max_padded, max_padded // block_m, expert_off, post_off, local_off,
+        counts_off, totals_off, size, small, num_tiles, max(32, next_power_of_2(E + 2)),
+        max(16, next_power_of_2(num_local)), max(16, next_power_of_2(numel)) if small else TILE,
+        min(1024, max(16, next_power_of_2(num_tiles))), next_power_of_2(cdiv(E + 1, num_tiles)) if num_tiles else 1,
+        spec,
+    )  # fmt: skip
 
 
 def _round32(n: int) -> int:
@@ -422,53 +468,36 @@ def launch_align(
 ) -> AlignedBlocks:
     """:func:`moe_align_block_size` without its checks, for callers that checked the ids already.
     ``counts=True`` also writes the pairs per local expert (``AlignedBlocks.counts``), for free."""
-    E, numel, device = global_num_experts, topk_ids.numel(), topk_ids.device
+    numel, E = topk_ids.numel(), global_num_experts
     num_local = num_local_experts if num_local_experts is not None else E
-    max_padded = max_padded_size(numel, E + 1, block_m)
-    small = numel <= TILE
-    num_tiles = 0 if small else cdiv(numel, TILE)
-    out = AlignedBlocks(None, max_padded, max_padded // block_m, block_m, numel, num_local if counts else 0)
-    max_blocks, expert_off, post_off, local_off = out.max_blocks, out.expert_offset, out.post_offset, out.local_offset
-    # One allocation: outputs and local counts, then (three-launch path) counts [E + 1, num_tiles]
-    # and totals [E + 1].
-    counts_off = local_off + _round32(num_local)
-    totals_off = counts_off + (0 if small else _round32((E + 1) * num_tiles))
-    out.buffer = torch.empty(totals_off + (0 if small else _round32(E + 1)), dtype=torch.int32, device=device)
+    sh = _align_shape(numel, E, num_local, block_m, counts)
+    buf = torch.empty(sh.size, dtype=torch.int32, device=topk_ids.device)
+    out = AlignedBlocks(buf, sh)
     if numel == 0:
         out.num_tokens_post_padded.zero_()
         if counts:
             out.counts.zero_()
         return out
-    # One spare bin for dropped pairs; tl.histogram wants at least 32 bins.
-    NUM_BINS = max(32, next_power_of_2(E + 2))
-    local_bins = max(16, next_power_of_2(num_local))
     has_map = expert_map is not None
-    flags = dict(HAS_MAP=has_map, KEEP_EMPTY=keep_empty, NUM_BINS=NUM_BINS)
-    ids, buf = topk_ids, out.buffer
+    flags = dict(HAS_MAP=has_map, KEEP_EMPTY=keep_empty, NUM_BINS=sh.num_bins)
     dims = (numel, E, num_local)
-    pad_w = max(16, block_m)
-    # Every offset is a multiple of 32 and sizes are specialized by value class; the ids may be a
-    # chunk's slice (any alignment), the map any int dtype.
-    key = (ids.dtype, None if not has_map else (expert_map.dtype, expert_map.data_ptr() % 16), ids.data_ptr() % 16,
-           block_m, keep_empty, counts, E, num_local, int_spec(max_padded), int_spec(max_blocks), int_spec(expert_off),
-           int_spec(post_off))  # fmt: skip
-    if small:
-        tile = max(16, next_power_of_2(numel))
-        _SMALL((1,), (ids, expert_map, buf, *dims, max_padded, max_blocks, expert_off, post_off, local_off),
-               key=key + (tile,), stream=stream, constexprs=lambda: dict(
-                   BLOCK_M=block_m, TILE=tile, PAD_W=pad_w, FILL=_FILL, LOCAL_COUNTS=counts, LOCAL_BINS=local_bins,
-                   **flags, num_warps=4 if NUM_BINS <= 256 else 8))  # fmt: skip
+    # Sizes are specialized by value class (sh.spec); the ids may be a chunk's slice (any alignment),
+    # the map any int dtype.
+    key = (sh, keep_empty, topk_ids.dtype, topk_ids.data_ptr() % 16,
+           None if not has_map else (expert_map.dtype, expert_map.data_ptr() % 16))  # fmt: skip
+    if sh.small:
+        _SMALL((1,), (topk_ids, expert_map, buf, *dims, sh.max_padded, sh.max_blocks, sh.expert_off, sh.post_off,
+                      sh.local_off), key=key, stream=stream, constexprs=lambda: dict(
+                   BLOCK_M=block_m, TILE=sh.tile, PAD_W=max(16, block_m), FILL=_FILL, LOCAL_COUNTS=counts,
+                   LOCAL_BINS=sh.local_bins, **flags, num_warps=4 if sh.num_bins <= 256 else 8))  # fmt: skip
         return out
-    key = key + (int_spec(num_tiles), int_spec(counts_off), int_spec(totals_off))
-    _COUNT((num_tiles,), (ids, expert_map, buf, *dims, num_tiles, counts_off, local_off), key=key, stream=stream,
-           constexprs=lambda: dict(TILE=TILE, LOCAL_COUNTS=counts, LOCAL_BINS=local_bins, **flags))  # fmt: skip
-    scan_block = min(1024, max(16, next_power_of_2(num_tiles)))
-    _SCAN((E + 1,), (buf, expert_map, num_tiles, counts_off, totals_off, E, num_local, local_off),
-          key=key + (scan_block,), stream=stream,
-          constexprs=lambda: dict(BLOCK=scan_block, HAS_MAP=has_map, LOCAL_COUNTS=counts, num_warps=4))  # fmt: skip
-    owned = next_power_of_2(cdiv(E + 1, num_tiles))
-    _SCATTER((num_tiles,), (ids, expert_map, buf, *dims, num_tiles, max_padded, max_blocks, expert_off, post_off,
-                            counts_off, totals_off), key=key + (owned,),
-             constexprs=lambda: dict(BLOCK_M=block_m, TILE=TILE, OWNED=owned, PAD_W=pad_w, FILL=_FILL, **flags),
-             stream=stream)  # fmt: skip
+    _COUNT((sh.num_tiles,), (topk_ids, expert_map, buf, *dims, sh.num_tiles, sh.counts_off, sh.local_off), key=key,
+           stream=stream, constexprs=lambda: dict(TILE=TILE, LOCAL_COUNTS=counts, LOCAL_BINS=sh.local_bins, **flags))
+    _SCAN((E + 1,), (buf, expert_map, sh.num_tiles, sh.counts_off, sh.totals_off, E, num_local, sh.local_off),
+          key=key, stream=stream,
+          constexprs=lambda: dict(BLOCK=sh.scan_block, HAS_MAP=has_map, LOCAL_COUNTS=counts, num_warps=4))
+    _SCATTER((sh.num_tiles,), (topk_ids, expert_map, buf, *dims, sh.num_tiles, sh.max_padded, sh.max_blocks,
+                               sh.expert_off, sh.post_off, sh.counts_off, sh.totals_off), key=key, stream=stream,
+             constexprs=lambda: dict(BLOCK_M=block_m, TILE=TILE, OWNED=sh.owned, PAD_W=max(16, block_m), FILL=_FILL,
+                                     **flags))  # fmt: skip
     return out

@@ -62,6 +62,10 @@ class KernelConfig:
             )
         if not isinstance(self.tma, bool):
             raise InvalidInputError(f"KernelConfig.tma must be a bool, got {self.tma!r}")
+        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f) for f in self.__dataclass_fields__)))
+
+    def __hash__(self) -> int:  # computed once: a config is part of every GEMM launch's key
+        return self._hash
 
     @property
     def launch(self) -> dict:

@@ -342,45 +342,44 @@ def launch_gemm(
     stream: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """:func:`fused_moe_gemm` without its checks, for the experts (the door checked the forward)."""
-    stride_pair, stride_col = out.stride(1), out.stride(2)
-    if out.shape[1] == 1:  # topk = 1: a size-1 dim's stride says nothing; pairs step by stride(0)
-        stride_pair = out.stride(0)
-    fp8 = a.dtype == FP8
-    E, N, K = w.shape
-    width = N // 2 if gated else N
     start, end = (0, blocks.max_padded) if chunk is None else (chunk.start, chunk.end)
+    E, N, K = w.shape
+    width = N // 2 if gated is not None else N
     if blocks.numel == 0 or width == 0 or end == start:
         if chunk is not None and chunk.write == "position" and blocks.numel == 0:
             out.zero_()  # a chunk's workspace rows hold zeros, not stale bytes
         return out
-    num_blocks = (end - start) // config.BLOCK_M
+    o0, o1, o2 = out.stride()
+    stride_pair = o0 if out.shape[1] == 1 else o1  # topk = 1: a size-1 dim's stride says nothing
     quant_out = gated is not None and out.dtype == FP8
     static = gated.static_scale if quant_out else None
     out_scale = gated.out_scale if quant_out else out
+    fp8 = a.dtype == FP8
     if fp8:
         scales = (a_scale, w_scale, a_scale.stride(0), a_scale.stride(1), *w_scale.stride())
     else:
         scales = (a, w, 0, 0, 0, 0, 0)
-    epilogue = (
-        out_scale, static if static is not None else out_scale,
-        out_scale.stride(0) if quant_out else 0, out_scale.stride(1) if quant_out else 0,
-        0 if static is None or static.numel() == 1 else static.stride(0),
-        gated.static_div if static is not None else 1,
-    )  # fmt: skip
+    if quant_out:
+        epilogue = (out_scale, out_scale if static is None else static, *out_scale.stride(),
+                    0 if static is None or static.numel() == 1 else static.stride(0),
+                    gated.static_div if static is not None else 1)  # fmt: skip
+    else:
+        epilogue = (out, out, 0, 0, 0, 1)
     w_desc = _weight_descriptor(w, config) if config.tma else None
-    grid = (num_blocks * cdiv(width, config.BLOCK_N),)
     read_pos = chunk is not None and chunk.read == "position"
     write_pos = chunk is not None and chunk.write == "position"
-    strides = (a.stride(0), a.stride(1), *w.stride(), stride_pair, stride_col, *scales[2:], *epilogue[2:])
-    args = (a, w, out, scales[0], scales[1], blocks.buffer, *epilogue[:2], w if w_desc is None else w_desc,
+    strides = (*a.stride(), *w.stride(), stride_pair, o2, *scales[2:], *epilogue[2:])
+    num_blocks = (end - start) // config.BLOCK_M
+    args = (a, w, out, scales[0], scales[1], blocks.buffer, epilogue[0], epilogue[1], w if w_desc is None else w_desc,
             width, K, blocks.numel, num_blocks, start, blocks.expert_offset, blocks.post_offset, *strides)  # fmt: skip
     # What selects the compiled variant beyond the config and flags: the dtypes, the sizes and strides
     # (fixed per layer, except the fp8 scales' strides), the alignment of every pointer (chunks slice
     # a and out). numel, num_blocks and the offsets are not specialized.
-    key = (config, a.dtype, w.dtype, out.dtype, out_scale.dtype, pairs_per_row, gated is not None, quant_out,
-           static is not None, w_desc is not None, read_pos, write_pos, blocks.block_m, width, K, strides,
-           a.data_ptr() % 16, out.data_ptr() % 16, scales[0].data_ptr() % 16, out_scale.data_ptr() % 16,
-           epilogue[1].data_ptr() % 16, w.data_ptr() % 16)  # fmt: skip
+    ptrs = (a.data_ptr() % 16, out.data_ptr() % 16, w.data_ptr() % 16,
+            (a_scale.data_ptr() % 16, w_scale.data_ptr() % 16) if fp8 else None,
+            (out_scale.data_ptr() % 16, epilogue[1].data_ptr() % 16) if quant_out else None)  # fmt: skip
+    key = (config, a.dtype, out.dtype, pairs_per_row, gated is not None, quant_out, static is not None,
+           w_desc is not None, read_pos, write_pos, blocks.block_m, width, K, strides, ptrs)  # fmt: skip
 
     def constexprs() -> dict:
         return dict(
@@ -392,7 +391,7 @@ def launch_gemm(
             TAIL_M=config.TAIL_M, **config.launch,
         )  # fmt: skip
 
-    _GEMM(grid, args, key=key, constexprs=constexprs, stream=stream)
+    _GEMM((num_blocks * cdiv(width, config.BLOCK_N),), args, key=key, constexprs=constexprs, stream=stream)
     return out
 
 

@@ -12,6 +12,8 @@ makes two fp32 copies of ``[M, topk, K]`` first, about 5x the bytes.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -79,12 +81,17 @@ def launch_weighted_topk_sum(fused_out: torch.Tensor, topk_weights: torch.Tensor
     M, K = out.shape
     if M == 0:
         return out
-    topk = topk_weights.shape[1]
+    grid, spec, consts = _reduce_shape(M, K, topk_weights.shape[1])
+    key = (spec, fused_out.dtype, topk_weights.dtype, out.dtype, fused_out.data_ptr() % 16,
+           topk_weights.data_ptr() % 16, out.data_ptr() % 16)  # fmt: skip
+    _REDUCE(grid, (fused_out, topk_weights, out, M, K), key=key, constexprs=lambda: consts, stream=stream)
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _reduce_shape(M: int, K: int, topk: int) -> tuple[tuple, tuple, dict]:
+    """(grid, integer classes, compile-time arguments) of a launch: they follow from the sizes alone."""
     BLOCK_K = min(1024, next_power_of_2(K))
     BLOCK_M = max(1, min(16, 4096 // BLOCK_K))
     grid = (cdiv(M, BLOCK_M), cdiv(K, BLOCK_K))
-    key = (fused_out.dtype, topk_weights.dtype, out.dtype, topk, BLOCK_M, BLOCK_K, int_spec(M), int_spec(K),
-           fused_out.data_ptr() % 16, topk_weights.data_ptr() % 16, out.data_ptr() % 16)  # fmt: skip
-    _REDUCE(grid, (fused_out, topk_weights, out, M, K), key=key,
-            constexprs=lambda: dict(TOPK=topk, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K), stream=stream)
-    return out
+    return grid, (topk, BLOCK_M, BLOCK_K, int_spec(M), int_spec(K)), dict(TOPK=topk, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
