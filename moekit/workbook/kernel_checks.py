@@ -209,8 +209,8 @@ def check_histogram_kernel(kernel) -> int:
 def _align_cases():
     """(ids, E, BLOCK_M, name): random ids with -1 and ids >= num_experts (and >= NUM_BINS),
     experts with exactly one and two blocks of pairs, one expert, empty input."""
-    exact = torch.tensor([0] * 8 + [1] * 16 + [2] * 9 + [4] * 8, dtype=torch.int32)  # BLOCK_M=8: 1, 2, 2, 0, 1 blocks
-    yield exact[torch.randperm(exact.numel(), generator=torch.Generator().manual_seed(5))].view(-1, 1), 5, 8, "exact"
+    exact = torch.tensor([0] * 8 + [1] * 16 + [2] * 9 + [4] * 8, dtype=torch.int32)  # BLOCK_M=8: 1, 2, 2, 0, 1, 0
+    yield exact[torch.randperm(exact.numel(), generator=torch.Generator().manual_seed(5))].view(-1, 1), 6, 8, "exact"
     for M, topk, E, block_m in ((9, 2, 3, 4), (50, 2, 8, 16), (1, 1, 1, 16), (30, 4, 5, 8), (0, 2, 4, 4)):
         ids = random_ids(M, topk, E, seed=M + E, empty_every=3)
         yield (beyond(ids, E) if M > 1 else ids), E, block_m, "random"

@@ -169,6 +169,25 @@ def scan_in_one_program(ids_ptr, map_ptr, out_ptr, numel, id_limit, num_local,
 
 
 @triton.jit
+def scan_zero_fills_out(ids_ptr, map_ptr, out_ptr, numel, id_limit, num_local,
+                        HAS_MAP: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    # Program 0 zero-fills out while the others add to it: on a GPU nothing orders the two.
+    expert = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    if expert == 0:
+        tl.store(out_ptr + offs, 0, mask=offs < num_local)
+    total = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(0, numel, BLOCK):
+        inside = start + offs < numel
+        ids = tl.load(ids_ptr + start + offs, mask=inside, other=-1)
+        ok = inside & (ids >= 0) & (ids < id_limit)
+        if HAS_MAP:
+            ids = tl.load(map_ptr + ids, mask=ok, other=-1)
+        total += (ok & (ids == expert)).to(tl.int32)
+    tl.atomic_add(out_ptr + expert, tl.sum(total, axis=0))
+
+
+@triton.jit
 def histogram_that_scans(ids_ptr, map_ptr, out_ptr, numel, id_limit, num_local,
                          HAS_MAP: tl.constexpr, BLOCK: tl.constexpr, NUM_BINS: tl.constexpr):  # fmt: skip
     # Right answers, but every program re-reads its tile once per expert.
@@ -241,6 +260,22 @@ def histogram_load_add_store(ids_ptr, map_ptr, out_ptr, numel, id_limit, num_loc
     bins = tl.arange(0, NUM_BINS)
     keep = bins < num_local
     tl.store(out_ptr + bins, tl.load(out_ptr + bins, mask=keep) + hist, mask=keep)
+
+
+@triton.jit
+def histogram_unmasked_bins(ids_ptr, map_ptr, out_ptr, numel, id_limit, num_local,
+                            HAS_MAP: tl.constexpr, BLOCK: tl.constexpr, NUM_BINS: tl.constexpr):  # fmt: skip
+    # Zeros added to the bins past num_local: right counts, but atomics on memory past out.
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < numel
+    ids = tl.load(ids_ptr + offs, mask=inside, other=-1)
+    ok = inside & (ids >= 0) & (ids < id_limit)
+    if HAS_MAP:
+        ids = tl.load(map_ptr + ids, mask=ok, other=-1)
+    ok = ok & (ids >= 0) & (ids < num_local)
+    hist = tl.histogram(tl.where(ok, ids, NUM_BINS - 1).to(tl.int32), NUM_BINS)
+    bins = tl.arange(0, NUM_BINS)
+    tl.atomic_add(out_ptr + bins, tl.where(bins < num_local, hist, 0))
 
 
 @triton.jit
@@ -337,7 +372,8 @@ def align_keeps_empty_slots(ids_ptr, sorted_ptr, expert_ids_ptr, post_ptr, curso
 @triton.jit
 def _align_pass1(ids_ptr, expert_ids_ptr, post_ptr, cursor_ptr, numel, num_experts,
                  BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, NUM_BINS: tl.constexpr,
-                 OVERPAD: tl.constexpr, BLOCKS_EXTRA: tl.constexpr, FIRST_ONLY: tl.constexpr):  # fmt: skip
+                 OVERPAD: tl.constexpr, BLOCKS_EXTRA: tl.constexpr, FIRST_ONLY: tl.constexpr,
+                 MIN_ONE: tl.constexpr = False):  # fmt: skip
     offs = tl.arange(0, BLOCK)
     counts = tl.zeros([NUM_BINS], dtype=tl.int32)
     for start in range(0, numel, BLOCK):
@@ -358,6 +394,8 @@ def _align_pass1(ids_ptr, expert_ids_ptr, post_ptr, cursor_ptr, numel, num_exper
         n = tl.sum(tl.where(bins == e, padded, 0), axis=0) // BLOCK_M
         if FIRST_ONLY:
             n = tl.minimum(n, 1)
+        if MIN_ONE:  # a block for every expert, even one with no pairs
+            n = tl.maximum(n, 1)
         for b in range(0, n + BLOCKS_EXTRA):
             tl.store(expert_ids_ptr + first + b, e)
 
@@ -394,6 +432,14 @@ def align_expert_ids_one_block_long(ids_ptr, sorted_ptr, expert_ids_ptr, post_pt
                                     BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, NUM_BINS: tl.constexpr):  # fmt: skip
     _align_pass1(ids_ptr, expert_ids_ptr, post_ptr, cursor_ptr, numel, num_experts, BLOCK_M, BLOCK, NUM_BINS,
                  False, 1, False)  # fmt: skip
+    _align_pass2(ids_ptr, sorted_ptr, cursor_ptr, numel, num_experts, BLOCK)
+
+
+@triton.jit
+def align_a_block_for_empty_experts(ids_ptr, sorted_ptr, expert_ids_ptr, post_ptr, cursor_ptr, numel, num_experts,
+                                    BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, NUM_BINS: tl.constexpr):  # fmt: skip
+    _align_pass1(ids_ptr, expert_ids_ptr, post_ptr, cursor_ptr, numel, num_experts, BLOCK_M, BLOCK, NUM_BINS,
+                 False, 0, False, True)  # fmt: skip
     _align_pass2(ids_ptr, sorted_ptr, cursor_ptr, numel, num_experts, BLOCK)
 
 
@@ -481,6 +527,7 @@ WRONG = {
         ((scan_ignores_the_map,), "expected"),
         ((scan_past_the_map,), "expected"),
         ((scan_in_one_program,), "program 1 read 0 of the", "interpreter"),
+        ((scan_zero_fills_out,), "without an atomic", "interpreter"),
     ],
     "histogram_kernel": [
         ((histogram_that_scans,), "reads each id once", "interpreter"),
@@ -489,6 +536,7 @@ WRONG = {
         ((histogram_rereads_by_atomic,), "an input", "interpreter"),
         ((histogram_load_add_store,), "without an atomic", "interpreter"),
         ((histogram_in_one_program,), "all the work in one program", "interpreter"),
+        ((histogram_unmasked_bins,), "outside its tensors", "interpreter"),
         ((histogram_unbounded_ids,), "tl.histogram the value", "interpreter"),
     ],
     "align_kernel": [
@@ -497,6 +545,7 @@ WRONG = {
         ((align_overpads_multiples,), r"\(exact\).*num_tokens_post_padded"),
         ((align_first_block_only,), "expert_ids of the"),
         ((align_expert_ids_one_block_long,), "wrote past num_tokens_post_padded"),
+        ((align_a_block_for_empty_experts,), "wrote past num_tokens_post_padded"),
         ((align_bounded_by_the_bins,), "wrote past num_tokens_post_padded"),
         ((align_unbounded_ids,), "outside its tensors|tl.histogram the value", "interpreter"),
     ],
