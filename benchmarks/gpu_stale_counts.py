@@ -19,9 +19,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import moekit
 from benchmarks.harness import common, measure
+from moekit.backends import deep_gemm as dg
 from moekit.experts import DeepGemmExperts
 from moekit.prepare_finalize import NoEPPrepareFinalize
 from moekit.testing import make_problem
+
+REAL, FALLBACK = "real deep_gemm", "moekit Triton fallback (not deep_gemm)"
+
+
+def gemm_ran(backends: list[str]) -> str:
+    """Which GEMM the chunks ran, from their trace backends: ``deep_gemm`` is the real library,
+    ``deep_gemm[triton]`` moekit's own Triton GEMM in DeepGEMM's contiguous layout."""
+    kinds = {REAL if b == "deep_gemm" else FALLBACK if b == "deep_gemm[triton]" else b for b in backends}
+    return " + ".join(sorted(kinds))
 
 
 def run(shape_name: str, M: int, C: int, *, out: str | None) -> list[dict]:
@@ -44,11 +54,15 @@ def run(shape_name: str, M: int, C: int, *, out: str | None) -> list[dict]:
             "layout rows (all chunks)": sum(c.shapes.workspace13[0] for c in trace),
             "peak workspace MiB": round(trace.peak_workspace_bytes / 2**20, 1),
             "us": round(measure.eager_us(call), 1), "rel_err": round(err, 4), "backend": trace.backends[0],
+            "gemm": gemm_ran(trace.backends), "gemm_reason": next((c.note for c in trace if c.note), ""),
         })  # fmt: skip
         print(rows[-1], flush=True)
     env = common.environment()
     if out != "-":
-        path = common.write_json("stale-counts", env, {"shape": f"{shape_name} fp8 block", "rows": rows},
+        status = dg.status()
+        gemm = {"gemm": " + ".join(sorted({r["gemm"] for r in rows})), "deep_gemm_usable": status.usable,
+                "deep_gemm_status": status.reason}  # fmt: skip
+        path = common.write_json("stale-counts", env, {"shape": f"{shape_name} fp8 block", **gemm, "rows": rows},
                                  directory=out)  # fmt: skip
         print(f"wrote {path}")
     return rows

@@ -1,6 +1,7 @@
 """Shared pytest setup: the `gpu` marker skips without CUDA, the `interpreter` marker skips where
 kernels compile for CUDA (``make test`` runs those tests again with ``MOEKIT_DEVICE=cpu``); seeds
-are fixed per test."""
+are fixed per test. When the `browser` tests (a real JupyterLab in chromium) skip, the end of the
+run says so in a banner, with how to get them."""
 
 from __future__ import annotations
 
@@ -21,6 +22,31 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if marker in item.keywords:
             item.add_marker(skip)
+
+
+_BROWSER_SKIPS: list[str] = []
+BROWSER_HOWTO = (
+    "apt-get install -y chromium (about 30 s; or set MOEKIT_CHROMIUM to a chromium binary). jupyterlab and "
+    "playwright come with `make venv` (the notebooks and dev extras); never run `playwright install`: the tests "
+    "drive the system chromium"
+)
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and "browser" in report.keywords:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        _BROWSER_SKIPS.append(reason.removeprefix("Skipped: "))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """A banner when the browser tests did not run: `make test` promises them."""
+    if not _BROWSER_SKIPS:
+        return
+    tr = terminalreporter
+    tr.write_sep("!", "BROWSER TESTS SKIPPED", yellow=True, bold=True)
+    tr.write_line(f"{len(_BROWSER_SKIPS)} JupyterLab browser test(s) did not run: {sorted(set(_BROWSER_SKIPS))[0]}")
+    tr.write_line(f"To run them: {BROWSER_HOWTO}. Then `make test` again (.ci/run installs chromium itself).")
+    tr.write_sep("!", yellow=True, bold=True)
 
 
 @pytest.fixture(autouse=True)

@@ -197,7 +197,8 @@ def test_crash_notebook_shows_errors_and_checks(browser, lab):
         _run_all(page, "02_after_run_all.png")
         text = page.locator(f"{VISIBLE} .jp-Notebook").inner_text()
         assert "all checks passed" in text, "the final check cell did not print"
-        assert "IndexError: Dimension out of range" in text, "the raw torch error (as users met it) is not shown"
+        raw = "the raw torch error (as the parent commit's code raises it) is not shown"
+        assert "IndexError: Dimension out of range" in text, raw
         assert "bug 1 of vLLM PR #20392" in text, "the guard's WorkspaceShapeError message is not shown"
         assert not page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.error']").count()
         # The bug-1 explorer reruns both loops when a slider moves: C up to M makes one chunk.

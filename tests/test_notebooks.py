@@ -24,11 +24,17 @@ BUDGET_S = 120  # each notebook targets <= 60 s on 2 cores; fail loudly well bef
 
 # Parameters that keep CI small where a notebook's defaults are larger than a test needs.
 SMALL: dict[str, dict] = {}
-# The two bug notebooks compute every check from their plan: they must hold away from the
-# defaults too (a switch in the last chunk, no chunk under the switch, every chunk under it).
+# Notebooks that compute every check from their plan must hold away from their defaults too: at
+# three other sets each, one with C above 512 (02's explorer once clamped its sliders there; its
+# checks now fail if a slider does not hold the notebook's M and C), one where nothing crosses the
+# switch, one with every chunk under it. Sizes stay small (K, N, E) because the interpreter is slow:
+# 02 at M=530 took 190 s on a loaded 2-core machine, so its large-C set keeps M at 300.
 OTHER_PARAMETERS = {
-    "02_workspace_shape_crash": [dict(M=300, C=128), dict(M=127, C=128), dict(M=257, C=64)],
-    "05_stale_token_counts": [dict(M=300, C=128), dict(M=127, C=128), dict(M=257, C=64)],
+    "02_workspace_shape_crash": [dict(M=300, C=600), dict(M=127, C=128), dict(M=257, C=64)],
+    "05_stale_token_counts": [dict(M=530, C=520, E=2), dict(M=127, C=128), dict(M=257, C=64)],
+    # 09: M and C above 512; M=1 (the row plan declares more workspace than one chunk); a uniform router
+    "09_row_chunks": [dict(M=530, C=520, R=1152, E=4, K=64, N=128), dict(M=1, C=1, R=128, E=4, K=64, N=128),
+                      dict(M=300, C=32, R=256, E=8, K=64, N=128, skew=0.0)],
     # The workbook with the kit's solutions in place of the skeletons: every check must pass.
     "10_workbook": [dict(use_solutions=True)],
 }

@@ -9,7 +9,7 @@ Each is a pure ``*_view`` function (tested headless) plus a thin widget wrapper.
 """
 
 from moekit.widgets.chunk_explorer import ExplorerParams, ExplorerView, explorer, explorer_view
-from moekit.widgets.crash_explorer import CrashParams, CrashView, crash_explorer, crash_view
+from moekit.widgets.crash_explorer import CrashParams, CrashView, crash_explorer, crash_view, pre_fix_crashes
 
 __all__ = [
     "CrashParams",
@@ -20,4 +20,5 @@ __all__ = [
     "crash_view",
     "explorer",
     "explorer_view",
+    "pre_fix_crashes",
 ]

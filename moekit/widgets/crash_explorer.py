@@ -4,16 +4,21 @@ what the pre-fix loop did with them, recomputed live by running it.
 :func:`crash_view` is the logic, headless and unit-tested: it runs the real pre-fix modular
 kernel (parent commit 41060c6e0: workspaces declared once, DeepGEMM's 2-D output, no guard) and
 the fixed one on the same fp8 problem, and keeps both traces and what each raised.
-:func:`crash_explorer` wires two ipywidgets sliders to it; ipywidgets is imported inside it.
+:func:`pre_fix_crashes` says from the plan alone whether that run crashes.
+:func:`crash_explorer` wires two ipywidgets sliders to it, their ranges derived from the values
+it starts at (a slider clamps a value past its end without a word); ipywidgets is imported
+inside it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import html
+import textwrap
 from dataclasses import dataclass
 
-from moekit.experts.triton_or_deep_gemm import TritonOrDeepGemmExperts
+from moekit.plan import chunk_ranges
+from moekit.experts.triton_or_deep_gemm import DEEP_GEMM_MIN_M, TritonOrDeepGemmExperts
 from moekit.modular_kernel import ModularKernel
 from moekit.prepare_finalize.no_ep import NoEPPrepareFinalize
 from moekit.testing import make_problem
@@ -54,6 +59,20 @@ class CrashView:
         return f"M={p.M}, C={p.C}: chunks ran {backends}; {outcome}"
 
 
+def pre_fix_crashes(M: int, C: int, *, N: int = 256, K: int = 128) -> bool:
+    """Whether the pre-fix loop crashes at M tokens in chunks of C, from the plan alone: the
+    whole-batch output is declared by DeepGEMM's rule (M >= 128, N and K multiples of 128: 2-D
+    then) and some chunk holds fewer than 128 tokens, so Triton runs it on a 2-D slice."""
+    deep_gemm_output = M >= DEEP_GEMM_MIN_M and N % 128 == 0 and K % 128 == 0
+    return deep_gemm_output and any(r.size < DEEP_GEMM_MIN_M for r in chunk_ranges(M, C))
+
+
+def slider_end(*values: int, least: int = 512) -> int:
+    """A slider's end for starting values ``values``: at least ``least`` and twice the largest,
+    rounded up to a multiple of 128, so the starting value and its neighbourhood are reachable."""
+    return -(-max(least, 2 * max(values)) // 128) * 128
+
+
 def pre_fix_kernel(C: int) -> ModularKernel:
     """The loop as the parent commit ran it: declared once, DeepGEMM's 2-D output, no guard."""
     experts = TritonOrDeepGemmExperts(quant=QuantScheme.FP8_BLOCK, flat_output=True)
@@ -78,7 +97,7 @@ def draw(view: CrashView):
     """The per-chunk table of the pre-fix run (handed vs needed) as a figure."""
     from moekit import viz
 
-    return viz.plot_table(view.pre_fix.handed_vs_needed(), title=view.summary()[:110])
+    return viz.plot_table(view.pre_fix.handed_vs_needed(), title=textwrap.fill(view.summary(), 100))
 
 
 def crash_explorer(params: CrashParams | None = None, **overrides):
@@ -86,10 +105,14 @@ def crash_explorer(params: CrashParams | None = None, **overrides):
     import ipywidgets as w
 
     p = dataclasses.replace(params or CrashParams(), **overrides)
+    end_M, end_C = slider_end(p.M), slider_end(p.M, p.C)  # C may reach past M: one chunk
     sliders = {
-        "M": w.IntSlider(value=p.M, min=1, max=512, description="M tokens", continuous_update=False),
-        "C": w.IntSlider(value=p.C, min=1, max=512, description="C chunk", continuous_update=False),
+        "M": w.IntSlider(value=p.M, min=1, max=end_M, description="M tokens", continuous_update=False),
+        "C": w.IntSlider(value=p.C, min=1, max=end_C, description="C chunk", continuous_update=False),
     }
+    clamped = {k: (s.value, getattr(p, k)) for k, s in sliders.items() if s.value != getattr(p, k)}
+    if clamped:  # (cannot happen with the ends above; a slider would clamp silently)
+        raise ValueError(f"a slider cannot hold its starting value: {clamped}")
     text, out = w.HTML(), w.Output()
     box = w.VBox([w.HBox(list(sliders.values())), text, out])
 

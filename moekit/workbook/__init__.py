@@ -7,10 +7,13 @@ Notebook ``10_workbook`` gives each exercise a task, a skeleton and a hint; this
     workbook.show_solution("chunk_plan")                     # on purpose only: prints the solution
     fns = workbook.solution("chunk_plan")                    # the solution's objects, for a check
 
-A check runs the code on seeded random and edge cases against :mod:`moekit.reference` and,
-where the exercise is about *how*, checks how (views, not copies; the chunk's own rows; each id
-loaded once). A failed check raises :class:`moekit.errors.ExerciseFailed` inside; :func:`check`
-prints its one line (or re-raises with ``strict=True``).
+A check runs the code on seeded random and edge cases built on purpose (ids past the map or
+>= E, empty chunks, exact BLOCK_M multiples) against :mod:`moekit.reference` and, where the
+exercise is about *how*, checks how: views, not copies; the chunk's own rows; and for the Triton
+kernels, what :func:`moekit.workbook.probes.watch_memory` saw each program read and write (each
+id read once, one tile per program, atomics where programs meet, work per id). A failed check
+raises :class:`moekit.errors.ExerciseFailed` inside; :func:`check` prints its one line (or
+re-raises with ``strict=True``).
 """
 
 from __future__ import annotations

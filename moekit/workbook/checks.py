@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from moekit.errors import ExerciseFailed
-from moekit.workbook.probes import shares_memory
+from moekit.workbook.probes import is_view_of
 
 MS = (0, 1, 2, 7, 128, 130, 257)
 CS = (None, 1, 3, 64, 128, 129, 1000)
@@ -47,16 +47,20 @@ def check_chunk_plan(chunk_plan, chunk_inputs) -> int:
             cases += 1
     g = torch.Generator().manual_seed(1)
     M, K = 130, 16
-    hidden = torch.randn(M, K, generator=g)
+    # bf16, as served: an upcast (.float()) would be a copy, where on fp32 it hands back the view
+    hidden = torch.randn(M, K, generator=g).to(torch.bfloat16)
     for dtype in (torch.int32, torch.int64):
         ids = random_ids(M, 2, 8, seed=2, dtype=dtype)
         for kind, scale in (("per-token", torch.rand(M, 1, generator=g)), ("per-tensor", torch.rand(1, generator=g)),
                             ("no", None)):  # fmt: skip
             for s, e in ((0, 128), (128, 130), (0, 130)):
                 h, i, sc = chunk_inputs(hidden, ids, scale, s, e)
+                if h.dtype != hidden.dtype or i.dtype != ids.dtype:
+                    fail(f"chunk_inputs(..., {s}, {e}) returned {h.dtype} activations and {i.dtype} ids for "
+                         f"{hidden.dtype} and {ids.dtype}: a cast copied the rows; a chunk must be a view of the batch")
                 if not (torch.equal(h, hidden[s:e]) and torch.equal(i, ids[s:e])):
                     fail(f"chunk_inputs(..., {s}, {e}) did not return rows [{s}, {e}) of hidden and topk_ids")
-                if not (shares_memory(h, hidden) and shares_memory(i, ids)):
+                if not (is_view_of(h, hidden, s, e) and is_view_of(i, ids, s, e)):
                     fail(f"chunk_inputs(..., {s}, {e}) copied the rows: a chunk must be a view of the batch "
                          "(slicing allocates nothing)")  # fmt: skip
                 want_scale = None if scale is None else scale if scale.numel() == 1 else scale[s:e]
@@ -116,8 +120,9 @@ def check_workspace_shapes(experts_class) -> int:
 
 def check_recount(chunk_counts) -> int:
     """``chunk_counts(topk_ids, start, end, E_local, expert_map)`` equals the reference count of
-    rows ``[start, end)`` for maps with -1, -1 slots, int32/int64 ids, E=1, topk=E, empty chunks,
-    and does not change when rows outside the chunk change."""
+    rows ``[start, end)`` for maps with -1, -1 slots, ids beyond the map and >= E_local without
+    one, int32/int64 ids, E=1, topk=E, empty chunks (at the end and in the middle), and does not
+    change when rows outside the chunk change."""
     from moekit.reference import count_reference
     from moekit.routing import contiguous_expert_map
 
@@ -125,10 +130,11 @@ def check_recount(chunk_counts) -> int:
     for M, E, topk, ep in ((37, 8, 2, 1), (130, 16, 4, 2), (9, 1, 1, 1), (20, 4, 4, 2), (64, 6, 2, 3)):
         for dtype in (torch.int32, torch.int64):
             ids = random_ids(M, topk, E, seed=M + E, dtype=dtype, empty_every=3)
+            ids.view(-1)[1::7] = E + ids.view(-1)[1::7].abs() % 3  # past the map; >= E_local without one
             E_local = E // ep
             for rank in range(ep):
                 emap = contiguous_expert_map(E, ep, rank, device="cpu") if ep > 1 else None
-                for s, e in ((0, min(16, M)), (min(16, M), M), (M, M)):
+                for s, e in ((0, min(16, M)), (min(16, M), M), (M, M), (M // 2, M // 2)):
                     want = count_reference(ids[s:e], E_local, emap).long().tolist()
                     got = torch.as_tensor(chunk_counts(ids, s, e, E_local, emap)).long().tolist()
                     if got != want:
@@ -151,16 +157,19 @@ def check_recount(chunk_counts) -> int:
 
 def check_row_plan(row_chunk_plan) -> int:
     """``row_chunk_plan(counts, R)``: chunks of at most R sorted rows, starting on 128-row
-    blocks, covering every expert's padded run, as few as R allows, and so each expert is read by
-    about one chunk: expert reads <= experts touched + chunks - 1."""
+    blocks, tiling every expert's padded run, as few as R allows, and so each expert is read by
+    about one chunk: expert reads <= experts touched + chunks - 1. (For ranges that tile the
+    layout the last bound follows from the tiling: each boundary cuts at most one expert. It is
+    kept as the statement of what the plan is for.)"""
     from moekit.viz.rows import expert_segments
 
     cases = 0
     g = torch.Generator().manual_seed(3)
-    for E in (1, 4, 16):
+    exact = torch.tensor([128, 0, 256, 1, 127, 384, 129])  # whole blocks on purpose: no padding to add
+    for E in (1, 4, 16, exact.numel()):
         for R in (128, 256, 384):
-            counts = torch.randint(0, 400, (E,), generator=g)
-            counts[::3] = 0 if E > 2 else counts[::3]
+            counts = exact.clone() if E == exact.numel() else torch.randint(0, 400, (E,), generator=g)
+            counts[::3] = 0 if 2 < E < exact.numel() else counts[::3]
             bounds = expert_segments(counts)
             total = int(bounds[-1])
             plan = [tuple(int(v) for v in r) for r in row_chunk_plan(counts.tolist(), R)]
@@ -175,8 +184,10 @@ def check_row_plan(row_chunk_plan) -> int:
             start, end = bounds[:-1], bounds[:-1] + counts
             reads = sum(int(((start < e) & (end > s) & (counts > 0)).sum()) for s, e in plan)
             touched = int((counts > 0).sum())
-            if plan and reads > touched + len(plan) - 1:
-                fail(f"row_chunk_plan(..., R={R}): {reads} expert reads for {touched} experts in {len(plan)} chunks")
+            if reads > touched + max(len(plan) - 1, 0):
+                fail(f"row_chunk_plan({_short(counts.tolist())}, R={R}) gave {_short(plan)}: {reads} expert reads for "
+                     f"{touched} experts in {len(plan)} chunks; each expert is read once, plus once more for each "
+                     "chunk boundary that cuts it")  # fmt: skip
             cases += 1
     return cases
 

@@ -1,15 +1,19 @@
 """Ways for a check to see *how* code ran, not only what it returned.
 
-- :func:`count_loads`: how many elements Triton kernels loaded from a given tensor, counted
-  inside Triton's interpreter (every ``tl.load`` lane whose mask is true and whose address lies
-  in the tensor). A one-pass count reads each id once; a per-expert scan reads it E times.
-- :func:`shares_memory`: whether a chunk is a view of the batch (slicing allocates nothing).
+- :func:`watch_memory`: every memory operation that interpreted Triton kernels make, per program
+  and per watched tensor (loads, stores, atomics, and lanes that touch no watched tensor at
+  all), the element operations each program computes (its work), and every ``tl.histogram``
+  value outside its bins. Triton's interpreter runs the programs of a grid one after another,
+  so a race between two programs can never show up in the results; it shows up in the addresses.
+- :func:`count_loads`: the loads alone, per watched tensor (the older, narrower probe).
+- :func:`shares_memory` and :func:`is_view_of`: whether a chunk is a view of the batch.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,6 +22,167 @@ import torch
 from moekit.device import interpreting
 
 _LOCK = threading.Lock()
+READ, WRITE, ATOMIC = "read", "write", "atomic"  # an atomic reads and writes, as one indivisible step
+
+
+@dataclass(frozen=True)
+class Race:
+    """A non-atomic write to one element that another program also touched."""
+
+    tensor: str
+    index: int  # element index inside the watched tensor
+    programs: tuple[int, ...]
+
+    def __str__(self) -> str:
+        return f"{self.tensor}[{self.index}] (programs {', '.join(map(str, self.programs))})"
+
+
+@dataclass
+class MemoryOps:
+    """What interpreted kernels did inside a :func:`watch_memory` block.
+
+    ``lanes[(tensor, kind)][program]`` lists the element indices of each operation's live lanes
+    (``kind`` is READ, WRITE or ATOMIC); ``outside[kind]`` counts live lanes whose address lies
+    in no watched tensor; ``work[program]`` counts the elements that arithmetic, comparisons,
+    selects, casts, dots and histograms produced; ``histogram_misses`` holds values given to
+    ``tl.histogram`` outside ``[0, bins)`` (a GPU keeps only their low bits).
+    """
+
+    names: tuple[str, ...]
+    lanes: dict = field(default_factory=lambda: defaultdict(lambda: defaultdict(list)))
+    outside: dict = field(default_factory=lambda: defaultdict(int))
+    work: dict = field(default_factory=lambda: defaultdict(int))
+    programs: set = field(default_factory=set)
+    histogram_misses: list = field(default_factory=list)
+
+    def _indices(self, name: str, kinds, program=None) -> np.ndarray:
+        parts = [a for k in kinds for p, arrays in self.lanes[(name, k)].items()
+                 if program in (None, p) for a in arrays]  # fmt: skip
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+    def reads(self, name: str, program=None) -> int:
+        """Elements of ``name`` read (loads and atomics: ``tl.atomic_add(p, 0)`` is a read too)."""
+        return int(self._indices(name, (READ, ATOMIC), program).size)
+
+    def writes(self, name: str, program=None) -> int:
+        """Elements of ``name`` written (stores and atomics)."""
+        return int(self._indices(name, (WRITE, ATOMIC), program).size)
+
+    def read_set(self, name: str, program) -> set[int]:
+        return set(self._indices(name, (READ, ATOMIC), program).tolist())
+
+    def written(self, name: str, program=None) -> np.ndarray:
+        """The distinct element indices of ``name`` written (by ``program``, or by any)."""
+        return np.unique(self._indices(name, (WRITE, ATOMIC), program))
+
+    def races(self, name: str) -> list[Race]:
+        """Elements of ``name`` that one program wrote without an atomic while another program
+        read, wrote or atomically updated them: on a GPU the programs run at once."""
+        touched, plain = defaultdict(set), set()
+        for kind in (READ, WRITE, ATOMIC):
+            for p, arrays in self.lanes[(name, kind)].items():
+                for i in np.unique(np.concatenate(arrays)).tolist() if arrays else ():
+                    touched[i].add(p)
+                    if kind == WRITE:
+                        plain.add(i)
+        return [Race(name, i, tuple(sorted(touched[i]))) for i in sorted(plain) if len(touched[i]) > 1]
+
+    @property
+    def total_work(self) -> int:
+        return sum(self.work.values())
+
+
+def _program(builder) -> int:
+    x, y, z = builder.grid_idx
+    return x if (y, z) == (0, 0) else x + builder.grid_dim[0] * (y + builder.grid_dim[1] * z)
+
+
+@contextlib.contextmanager
+def watch_memory(**tensors: torch.Tensor | None):
+    """Record what interpreted Triton kernels do inside the block (None entries are skipped)::
+
+        with watch_memory(ids=topk_ids, out=counts) as ops:
+            kernel[grid](topk_ids, counts, ...)
+        ops.reads("ids"), ops.races("out"), ops.outside, ops.work
+
+    Only under Triton's interpreter (the CPU); on a GPU nothing can be seen, and the block
+    raises RuntimeError. The patch is process-wide, so one block runs at a time.
+    """
+    if not interpreting():
+        raise RuntimeError("watch_memory needs Triton's interpreter (a CPU run of moekit)")
+    from triton.runtime import interpreter
+
+    watched = {n: (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), t.element_size())
+               for n, t in tensors.items() if t is not None and t.numel()}  # fmt: skip
+    ops = MemoryOps(tuple(tensors))
+    builder = interpreter.InterpreterBuilder
+    state = threading.local()
+
+    def record(self, kind, ptrs, mask) -> None:
+        if getattr(state, "atomic", 0) and kind == WRITE:
+            kind = ATOMIC  # an atomic store reaches the plain store underneath
+        p = _program(self)
+        ops.programs.add(p)
+        addr = np.asarray(ptrs.data).astype(np.uint64).ravel()
+        live = np.ones(addr.shape, bool)
+        if mask is not None:
+            live = np.broadcast_to(np.asarray(mask.data, bool), np.shape(ptrs.data)).ravel()
+        addr, inside = addr[live], np.zeros(int(live.sum()), bool)
+        for name, (lo, hi, size) in watched.items():
+            hit = (addr >= lo) & (addr < hi)
+            if hit.any():
+                ops.lanes[(name, kind)][p].append(((addr[hit] - lo) // size).astype(np.int64))
+            inside |= hit
+        ops.outside[kind] += int((~inside).sum())
+
+    def counting(fn):
+        def wrapped(self, *args, **kwargs):
+            result = fn(self, *args, **kwargs)
+            ops.work[_program(self)] += int(np.size(getattr(result, "data", 0)))
+            return result
+
+        return wrapped
+
+    def histogram(self, data, bins, mask=None):
+        live = np.ones(np.shape(data.data), bool) if mask is None else np.asarray(mask.data, bool)
+        values = np.asarray(data.data)[live]
+        for v in values[(values < 0) | (values >= bins)][:4].tolist():
+            ops.histogram_misses.append((_program(self), int(v), int(bins)))
+        return originals["create_histogram"](self, data, bins, mask)
+
+    def atomic_store(self, ptr, val, mask, sem, scope):
+        state.atomic = getattr(state, "atomic", 0) + 1
+        try:
+            return originals["create_atomic_store"](self, ptr, val, mask, sem, scope)
+        finally:
+            state.atomic -= 1
+
+    def memory(name, kind, ptr_at, mask_at):
+        def wrapped(self, *args):
+            record(self, kind, args[ptr_at], None if mask_at is None else args[mask_at])
+            return originals[name](self, *args)
+
+        return wrapped
+
+    patches = {  # the argument positions of the interpreter's builder methods (Triton 3.6 to 3.9)
+        "create_masked_load": memory("create_masked_load", READ, 0, 1),  # (ptrs, mask, other, ...)
+        "create_masked_store": memory("create_masked_store", WRITE, 0, 2),  # (ptrs, value, mask, ...)
+        "create_atomic_rmw": memory("create_atomic_rmw", ATOMIC, 1, 3),  # (op, ptr, val, mask, ...)
+        "create_atomic_cas": memory("create_atomic_cas", ATOMIC, 0, None),  # (ptr, cmp, val, ...)
+        "create_atomic_store": atomic_store,
+        "create_histogram": histogram,
+    }
+    for name in ("binary_op", "ternary_op", "unary_op", "cast_impl", "create_dot"):
+        patches[name] = counting(getattr(builder, name))
+    with _LOCK:
+        originals = {name: getattr(builder, name) for name in patches}
+        for name, fn in patches.items():
+            setattr(builder, name, fn)
+        try:
+            yield ops
+        finally:
+            for name, fn in originals.items():
+                setattr(builder, name, fn)
 
 
 @dataclass
@@ -32,43 +197,12 @@ class LoadCount:
 
 @contextlib.contextmanager
 def count_loads(**tensors: torch.Tensor | None):
-    """Count the elements that interpreted Triton kernels load from each of ``tensors`` inside
-    the block (None entries are skipped)::
-
-        with count_loads(ids=topk_ids) as loads:
-            kernel[grid](topk_ids, ...)
-        loads["ids"]           # lanes that read an id
-
-    Only under Triton's interpreter (the CPU); on a GPU the loads cannot be seen, and the block
-    raises RuntimeError.
-    """
-    if not interpreting():
-        raise RuntimeError("count_loads needs Triton's interpreter (a CPU run of moekit)")
-    from triton.runtime import interpreter
-
-    watched = {n: (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), t.element_size())
-               for n, t in tensors.items() if t is not None and t.numel()}  # fmt: skip
+    """Count the elements that interpreted Triton kernels load (plain loads only) from each of
+    ``tensors`` inside the block; see :func:`watch_memory` for every other operation."""
     result = LoadCount({n: 0 for n in tensors})
-    builder = interpreter.InterpreterBuilder
-
-    def tally(ptrs, mask) -> None:
-        addr = np.asarray(ptrs.data).astype(np.uint64).ravel()
-        live = np.broadcast_to(np.asarray(mask.data).astype(bool), np.shape(ptrs.data)).ravel()
-        for name, (lo, hi, _) in watched.items():
-            result.loaded[name] += int((live & (addr >= lo) & (addr < hi)).sum())
-
-    masked = builder.create_masked_load  # (the interpreter's unmasked load calls it with an all-true mask)
-
-    def counted(self, ptrs, mask, other, cache_policy, is_volatile):
-        tally(ptrs, mask)
-        return masked(self, ptrs, mask, other, cache_policy, is_volatile)
-
-    with _LOCK:  # one counter at a time: the patch is process-wide
-        builder.create_masked_load = counted
-        try:
-            yield result
-        finally:
-            builder.create_masked_load = masked
+    with watch_memory(**tensors) as ops:
+        yield result
+        result.loaded.update({n: int(ops._indices(n, (READ,)).size) for n in tensors})
 
 
 def shares_memory(view: torch.Tensor, base: torch.Tensor) -> bool:
@@ -78,4 +212,15 @@ def shares_memory(view: torch.Tensor, base: torch.Tensor) -> bool:
     return view.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
 
 
-__all__ = ["LoadCount", "count_loads", "shares_memory"]
+def is_view_of(view: torch.Tensor, base: torch.Tensor, start: int, end: int) -> bool:
+    """True when ``view`` is rows ``[start, end)`` of ``base`` in place: same storage, offset,
+    strides and dtype (an upcast, a ``.contiguous()`` of a strided slice or a clone is a copy)."""
+    want = base[start:end]
+    if view.numel() == 0:
+        return view.dtype == base.dtype and tuple(view.shape) == tuple(want.shape)
+    return (shares_memory(view, base) and view.dtype == base.dtype and view.data_ptr() == want.data_ptr()
+            and view.stride() == want.stride() and tuple(view.shape) == tuple(want.shape))  # fmt: skip
+
+
+__all__ = ["ATOMIC", "READ", "WRITE", "LoadCount", "MemoryOps", "Race", "count_loads", "is_view_of",
+           "shares_memory", "watch_memory"]  # fmt: skip

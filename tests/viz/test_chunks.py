@@ -28,7 +28,7 @@ def test_chunk_counts_match_per_chunk_reference(M, C, ep_size):
     emap = routing.contiguous_expert_map(E, ep_size, 1) if ep_size > 1 else None
     E_local = E // ep_size
     got = viz.chunk_counts(ids, C, E_local, expert_map=emap)
-    from moekit.chunking import chunk_ranges
+    from moekit.plan import chunk_ranges
 
     want = [reference.count_reference(ids[r.start : r.end], E_local, emap) for r in chunk_ranges(M, C)]
     assert got.dtype == torch.int64

@@ -1,4 +1,4 @@
-"""moekit.workbook.probes: loads counted per watched tensor; views told from copies."""
+"""moekit.workbook.probes: memory operations watched per program and tensor; views told from copies."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from moekit.device import interpreting
-from moekit.workbook.probes import count_loads, shares_memory
+from moekit.workbook.probes import count_loads, is_view_of, shares_memory, watch_memory
 
 
 @triton.jit
@@ -33,3 +33,36 @@ def test_views_and_copies():
     base = torch.arange(12).view(4, 3)
     assert shares_memory(base[1:3], base) and not shares_memory(base[1:3].clone(), base)
     assert shares_memory(base[:0].clone(), base)  # empty: allocates nothing either way
+
+
+@triton.jit
+def _racy(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.atomic_add(x_ptr + offs, 0, mask=offs < n)  # a read (and a write) through an atomic
+    tl.store(out_ptr, tl.load(out_ptr) + tl.sum(x, axis=0))  # load-add-store: programs race on out[0]
+    tl.atomic_add(out_ptr + 1, 1)  # atomics may meet
+    tl.store(out_ptr + 2 + tl.program_id(0), 1)  # each program its own element
+    tl.histogram(x, 4)
+
+
+@pytest.mark.skipif(not interpreting(), reason="memory is watched under the interpreter only")
+def test_every_memory_operation_is_watched_per_program():
+    buf = torch.zeros(24, dtype=torch.int32)
+    x, out = buf[:10], buf[12:18]  # buf[10:12] lies in no watched tensor
+    x.copy_(torch.arange(10, dtype=torch.int32))
+    with watch_memory(x=x, out=out) as ops:
+        _racy[(2,)](x, out, 12, BLOCK=8)  # n=12 > 10: two lanes stray past x
+    assert ops.programs == {0, 1}
+    assert (ops.reads("x"), ops.writes("x"), ops.outside["atomic"]) == (10, 10, 2)
+    assert ops.reads("x", 0) == 8 and ops.read_set("x", 1) == {8, 9}
+    assert [r.index for r in ops.races("out")] == [0] and ops.races("x") == []
+    assert ops.written("out", 1).tolist() == [0, 1, 3]
+    assert {v for _, v, _ in ops.histogram_misses} >= {4, 5, 6, 7} and ops.work[0] > 0 and ops.total_work > ops.work[0]
+
+
+def test_a_view_is_told_from_a_copy_and_a_cast():
+    base = torch.randn(6, 4).to(torch.bfloat16)
+    assert is_view_of(base[2:5], base, 2, 5)
+    assert not is_view_of(base[2:5].float(), base, 2, 5) and not is_view_of(base[2:5].clone(), base, 2, 5)
+    assert not is_view_of(base[1:4], base, 2, 5), "the right number of rows from the wrong place"
+    assert is_view_of(base[6:6].clone(), base, 6, 6) and not is_view_of(base[6:6].float(), base, 6, 6)

@@ -1,4 +1,9 @@
-"""Known-wrong solutions, at least two per exercise: each must fail its check, for its reason."""
+"""Known-wrong solutions, at least two per exercise and at least one per kind of mistake: each
+must fail its check, for its reason.
+
+``WRONG[key]`` lists ``(objects, reason)`` or ``(objects, reason, "interpreter")``: the last kind
+gives right answers and fails on *how* it ran, which only Triton's interpreter can watch (on a
+GPU build the check cannot see it, and the test skips)."""
 
 from __future__ import annotations
 
@@ -25,6 +30,11 @@ def inputs_slice_a_per_tensor_scale(hidden, topk_ids, a_scale, start, end):  # v
 def inputs_copy_each_chunk(hidden, topk_ids, a_scale, start, end):
     h, i, s = chunk_inputs(hidden, topk_ids, a_scale, start, end)
     return h.clone(), i.clone(), s
+
+
+def inputs_upcast_the_rows(hidden, topk_ids, a_scale, start, end):  # .float(): a copy of bf16 rows
+    h, i, s = chunk_inputs(hidden, topk_ids, a_scale, start, end)
+    return h.float(), i, s
 
 
 # -- 2. workspace shapes ----------------------------------------------------------------------
@@ -60,9 +70,38 @@ def counts_of_the_whole_batch(topk_ids, start, end, num_local_experts, expert_ma
 
 def counts_gather_minus_one(topk_ids, start, end, num_local_experts, expert_map=None):
     ids = topk_ids[start:end].reshape(-1).long()
-    local = expert_map.long()[ids] if expert_map is not None else ids  # expert_map[-1]: the last entry
+    if expert_map is not None:
+        ids = torch.where(ids < expert_map.numel(), ids, -1)  # past the map: marked empty, like -1 ...
+    local = expert_map.long()[ids] if expert_map is not None else ids  # ... but expert_map[-1] is the last entry
     ok = (local >= 0) & (local < num_local_experts)
     return torch.bincount(torch.where(ok, local + 1, 0), minlength=num_local_experts + 1)[1:]
+
+
+def counts_gather_past_the_map(topk_ids, start, end, num_local_experts, expert_map=None):
+    from moekit.workbook.solutions.recount import chunk_counts
+
+    if expert_map is None:
+        return chunk_counts(topk_ids, start, end, num_local_experts)
+    ids = topk_ids[start:end].reshape(-1).long()
+    ok = ids >= 0  # -1 masked, but ids past the map are gathered
+    local = expert_map.long()[ids.clamp(min=0)]
+    return torch.bincount(torch.where(ok & (local >= 0), local + 1, 0), minlength=num_local_experts + 1)[1:]
+
+
+def counts_extra_bins(topk_ids, start, end, num_local_experts, expert_map=None):
+    from moekit.workbook.solutions.recount import chunk_counts
+
+    if expert_map is not None:
+        return chunk_counts(topk_ids, start, end, num_local_experts, expert_map)
+    ids = topk_ids[start:end].reshape(-1).long()
+    ok = ids >= 0  # -1 masked, but ids >= E_local without a map get bins of their own
+    return torch.bincount(torch.where(ok, ids + 1, 0), minlength=num_local_experts + 1)[1:]
+
+
+def counts_at_least_one_row(topk_ids, start, end, num_local_experts, expert_map=None):
+    from moekit.workbook.solutions.recount import chunk_counts
+
+    return chunk_counts(topk_ids, start, max(end, start + 1), num_local_experts, expert_map)  # "no empty slices"
 
 
 # -- 4. count kernels ---------------------------------------------------------------------------
@@ -96,6 +135,59 @@ def scan_ignores_the_map(ids_ptr, map_ptr, out_ptr, numel, id_limit, num_local,
 
 
 @triton.jit
+def scan_past_the_map(ids_ptr, map_ptr, out_ptr, numel, id_limit, num_local,
+                      HAS_MAP: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    expert = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    total = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(0, numel, BLOCK):
+        inside = start + offs < numel
+        ids = tl.load(ids_ptr + start + offs, mask=inside, other=-1)
+        ok = inside & (ids >= 0)  # -1 masked; ids past the map gathered
+        if HAS_MAP:
+            ids = tl.load(map_ptr + ids, mask=ok, other=-1)
+        total += (ok & (ids == expert)).to(tl.int32)
+    tl.store(out_ptr + expert, tl.sum(total, axis=0))
+
+
+@triton.jit
+def scan_in_one_program(ids_ptr, map_ptr, out_ptr, numel, id_limit, num_local,
+                        HAS_MAP: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    # Right counts, but program 0 walks the ids for every expert and the others do nothing.
+    if tl.program_id(0) == 0:
+        offs = tl.arange(0, BLOCK)
+        for expert in range(0, num_local):
+            total = tl.zeros([BLOCK], dtype=tl.int32)
+            for start in range(0, numel, BLOCK):
+                inside = start + offs < numel
+                ids = tl.load(ids_ptr + start + offs, mask=inside, other=-1)
+                ok = inside & (ids >= 0) & (ids < id_limit)
+                if HAS_MAP:
+                    ids = tl.load(map_ptr + ids, mask=ok, other=-1)
+                total += (ok & (ids == expert)).to(tl.int32)
+            tl.store(out_ptr + expert, tl.sum(total, axis=0))
+
+
+@triton.jit
+def scan_zero_fills_out(ids_ptr, map_ptr, out_ptr, numel, id_limit, num_local,
+                        HAS_MAP: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    # Program 0 zero-fills out while the others add to it: on a GPU nothing orders the two.
+    expert = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    if expert == 0:
+        tl.store(out_ptr + offs, 0, mask=offs < num_local)
+    total = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(0, numel, BLOCK):
+        inside = start + offs < numel
+        ids = tl.load(ids_ptr + start + offs, mask=inside, other=-1)
+        ok = inside & (ids >= 0) & (ids < id_limit)
+        if HAS_MAP:
+            ids = tl.load(map_ptr + ids, mask=ok, other=-1)
+        total += (ok & (ids == expert)).to(tl.int32)
+    tl.atomic_add(out_ptr + expert, tl.sum(total, axis=0))
+
+
+@triton.jit
 def histogram_that_scans(ids_ptr, map_ptr, out_ptr, numel, id_limit, num_local,
                          HAS_MAP: tl.constexpr, BLOCK: tl.constexpr, NUM_BINS: tl.constexpr):  # fmt: skip
     # Right answers, but every program re-reads its tile once per expert.
@@ -118,6 +210,104 @@ def histogram_unmasked_tail(ids_ptr, map_ptr, out_ptr, numel, id_limit, num_loca
     if HAS_MAP:
         ids = tl.load(map_ptr + ids, mask=ok, other=-1)
     ok = ok & (ids >= 0) & (ids < num_local)
+    hist = tl.histogram(tl.where(ok, ids, NUM_BINS - 1).to(tl.int32), NUM_BINS)
+    bins = tl.arange(0, NUM_BINS)
+    tl.atomic_add(out_ptr + bins, hist, mask=(bins < num_local) & (hist > 0))
+
+
+@triton.jit
+def histogram_loops_experts_in_registers(ids_ptr, map_ptr, out_ptr, numel, id_limit, num_local, HAS_MAP: tl.constexpr,
+                                         BLOCK: tl.constexpr, NUM_BINS: tl.constexpr):  # fmt: skip
+    # Each id loaded once, then compared with every expert: a scan kept in registers.
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < numel
+    ids = tl.load(ids_ptr + offs, mask=inside, other=-1)
+    ok = inside & (ids >= 0) & (ids < id_limit)
+    if HAS_MAP:
+        ids = tl.load(map_ptr + ids, mask=ok, other=-1)
+    for e in range(0, num_local):
+        n = tl.sum((ok & (ids == e)).to(tl.int32), axis=0)
+        tl.atomic_add(out_ptr + e, n, mask=n > 0)
+
+
+@triton.jit
+def histogram_rereads_by_atomic(ids_ptr, map_ptr, out_ptr, numel, id_limit, num_local,
+                                HAS_MAP: tl.constexpr, BLOCK: tl.constexpr, NUM_BINS: tl.constexpr):  # fmt: skip
+    # A per-expert scan whose re-reads of the ids go through tl.atomic_add(ptr, 0), not tl.load.
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < numel
+    for e in range(0, num_local):
+        ids = tl.atomic_add(ids_ptr + offs, 0, mask=inside)
+        ok = inside & (ids >= 0) & (ids < id_limit)
+        if HAS_MAP:
+            ids = tl.load(map_ptr + ids, mask=ok, other=-1)
+        n = tl.sum((ok & (ids == e)).to(tl.int32), axis=0)
+        tl.atomic_add(out_ptr + e, n, mask=n > 0)
+
+
+@triton.jit
+def histogram_load_add_store(ids_ptr, map_ptr, out_ptr, numel, id_limit, num_local,
+                             HAS_MAP: tl.constexpr, BLOCK: tl.constexpr, NUM_BINS: tl.constexpr):  # fmt: skip
+    # Right in the interpreter (programs run one by one); on a GPU the programs race on out.
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < numel
+    ids = tl.load(ids_ptr + offs, mask=inside, other=-1)
+    ok = inside & (ids >= 0) & (ids < id_limit)
+    if HAS_MAP:
+        ids = tl.load(map_ptr + ids, mask=ok, other=-1)
+    ok = ok & (ids >= 0) & (ids < num_local)
+    hist = tl.histogram(tl.where(ok, ids, NUM_BINS - 1).to(tl.int32), NUM_BINS)
+    bins = tl.arange(0, NUM_BINS)
+    keep = bins < num_local
+    tl.store(out_ptr + bins, tl.load(out_ptr + bins, mask=keep) + hist, mask=keep)
+
+
+@triton.jit
+def histogram_unmasked_bins(ids_ptr, map_ptr, out_ptr, numel, id_limit, num_local,
+                            HAS_MAP: tl.constexpr, BLOCK: tl.constexpr, NUM_BINS: tl.constexpr):  # fmt: skip
+    # Zeros added to the bins past num_local: right counts, but atomics on memory past out.
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < numel
+    ids = tl.load(ids_ptr + offs, mask=inside, other=-1)
+    ok = inside & (ids >= 0) & (ids < id_limit)
+    if HAS_MAP:
+        ids = tl.load(map_ptr + ids, mask=ok, other=-1)
+    ok = ok & (ids >= 0) & (ids < num_local)
+    hist = tl.histogram(tl.where(ok, ids, NUM_BINS - 1).to(tl.int32), NUM_BINS)
+    bins = tl.arange(0, NUM_BINS)
+    tl.atomic_add(out_ptr + bins, tl.where(bins < num_local, hist, 0))
+
+
+@triton.jit
+def histogram_in_one_program(ids_ptr, map_ptr, out_ptr, numel, id_limit, num_local,
+                             HAS_MAP: tl.constexpr, BLOCK: tl.constexpr, NUM_BINS: tl.constexpr):  # fmt: skip
+    # Each id read once, but program 0 reads them all and the other programs idle.
+    if tl.program_id(0) == 0:
+        hist = tl.zeros([NUM_BINS], dtype=tl.int32)
+        for start in range(0, numel, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            inside = offs < numel
+            ids = tl.load(ids_ptr + offs, mask=inside, other=-1)
+            ok = inside & (ids >= 0) & (ids < id_limit)
+            if HAS_MAP:
+                ids = tl.load(map_ptr + ids, mask=ok, other=-1)
+            ok = ok & (ids >= 0) & (ids < num_local)
+            hist += tl.histogram(tl.where(ok, ids, NUM_BINS - 1).to(tl.int32), NUM_BINS)
+        bins = tl.arange(0, NUM_BINS)
+        tl.store(out_ptr + bins, hist, mask=bins < num_local)
+
+
+@triton.jit
+def histogram_unbounded_ids(ids_ptr, map_ptr, out_ptr, numel, id_limit, num_local,
+                            HAS_MAP: tl.constexpr, BLOCK: tl.constexpr, NUM_BINS: tl.constexpr):  # fmt: skip
+    # Bounds the map's index but not the local id: ids >= num_local reach tl.histogram.
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < numel
+    ids = tl.load(ids_ptr + offs, mask=inside, other=-1)
+    ok = inside & (ids >= 0) & (ids < id_limit)
+    if HAS_MAP:
+        ids = tl.load(map_ptr + ids, mask=ok, other=-1)
+    ok = inside & (ids >= 0)
     hist = tl.histogram(tl.where(ok, ids, NUM_BINS - 1).to(tl.int32), NUM_BINS)
     bins = tl.arange(0, NUM_BINS)
     tl.atomic_add(out_ptr + bins, hist, mask=(bins < num_local) & (hist > 0))
@@ -151,12 +341,13 @@ def align_without_padding(ids_ptr, sorted_ptr, expert_ids_ptr, post_ptr, cursor_
 @triton.jit
 def align_keeps_empty_slots(ids_ptr, sorted_ptr, expert_ids_ptr, post_ptr, cursor_ptr, numel, num_experts,
                             BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, NUM_BINS: tl.constexpr):  # fmt: skip
-    # -1 slots are clamped to expert 0 instead of dropped.
+    # -1 slots are clamped to expert 0 instead of dropped (ids >= num_experts are dropped).
     offs = tl.arange(0, BLOCK)
     counts = tl.zeros([NUM_BINS], dtype=tl.int32)
     for start in range(0, numel, BLOCK):
         inside = start + offs < numel
         ids = tl.maximum(tl.load(ids_ptr + start + offs, mask=inside, other=-1), 0)
+        inside = inside & (ids < num_experts)
         counts += tl.histogram(tl.where(inside, ids, NUM_BINS - 1).to(tl.int32), NUM_BINS)
     bins = tl.arange(0, NUM_BINS)
     counts = tl.where(bins < num_experts, counts, 0)
@@ -173,8 +364,121 @@ def align_keeps_empty_slots(ids_ptr, sorted_ptr, expert_ids_ptr, post_ptr, curso
         pair = start + offs
         inside = pair < numel
         ids = tl.maximum(tl.load(ids_ptr + pair, mask=inside, other=-1), 0)
-        row = tl.atomic_add(cursor_ptr + ids, 1, mask=inside)
+        inside = inside & (ids < num_experts)
+        row = tl.atomic_add(cursor_ptr + tl.where(inside, ids, 0), 1, mask=inside)
         tl.store(sorted_ptr + row, pair, mask=inside)
+
+
+@triton.jit
+def _align_pass1(ids_ptr, expert_ids_ptr, post_ptr, cursor_ptr, numel, num_experts,
+                 BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, NUM_BINS: tl.constexpr,
+                 OVERPAD: tl.constexpr, BLOCKS_EXTRA: tl.constexpr, FIRST_ONLY: tl.constexpr,
+                 MIN_ONE: tl.constexpr = False):  # fmt: skip
+    offs = tl.arange(0, BLOCK)
+    counts = tl.zeros([NUM_BINS], dtype=tl.int32)
+    for start in range(0, numel, BLOCK):
+        ids = tl.load(ids_ptr + start + offs, mask=start + offs < numel, other=-1)
+        ok = (ids >= 0) & (ids < num_experts)
+        counts += tl.histogram(tl.where(ok, ids, NUM_BINS - 1).to(tl.int32), NUM_BINS)
+    bins = tl.arange(0, NUM_BINS)
+    counts = tl.where(bins < num_experts, counts, 0)
+    if OVERPAD:  # one block more than needed when the count is a multiple of BLOCK_M
+        padded = tl.where(counts > 0, (counts // BLOCK_M + 1) * BLOCK_M, 0)
+    else:
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    starts = tl.cumsum(padded, axis=0) - padded
+    tl.store(post_ptr, tl.sum(padded, axis=0))
+    tl.store(cursor_ptr + bins, starts)
+    for e in range(0, num_experts):
+        first = tl.load(cursor_ptr + e) // BLOCK_M
+        n = tl.sum(tl.where(bins == e, padded, 0), axis=0) // BLOCK_M
+        if FIRST_ONLY:
+            n = tl.minimum(n, 1)
+        if MIN_ONE:  # a block for every expert, even one with no pairs
+            n = tl.maximum(n, 1)
+        for b in range(0, n + BLOCKS_EXTRA):
+            tl.store(expert_ids_ptr + first + b, e)
+
+
+@triton.jit
+def _align_pass2(ids_ptr, sorted_ptr, cursor_ptr, numel, limit, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    for start in range(0, numel, BLOCK):
+        pair = start + offs
+        ids = tl.load(ids_ptr + pair, mask=pair < numel, other=-1)
+        ok = (ids >= 0) & (ids < limit)
+        row = tl.atomic_add(cursor_ptr + tl.where(ok, ids, 0), 1, mask=ok)
+        tl.store(sorted_ptr + row, pair, mask=ok)
+
+
+@triton.jit
+def align_overpads_multiples(ids_ptr, sorted_ptr, expert_ids_ptr, post_ptr, cursor_ptr, numel, num_experts,
+                             BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, NUM_BINS: tl.constexpr):  # fmt: skip
+    _align_pass1(ids_ptr, expert_ids_ptr, post_ptr, cursor_ptr, numel, num_experts, BLOCK_M, BLOCK, NUM_BINS,
+                 True, 0, False)  # fmt: skip
+    _align_pass2(ids_ptr, sorted_ptr, cursor_ptr, numel, num_experts, BLOCK)
+
+
+@triton.jit
+def align_first_block_only(ids_ptr, sorted_ptr, expert_ids_ptr, post_ptr, cursor_ptr, numel, num_experts,
+                           BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, NUM_BINS: tl.constexpr):  # fmt: skip
+    _align_pass1(ids_ptr, expert_ids_ptr, post_ptr, cursor_ptr, numel, num_experts, BLOCK_M, BLOCK, NUM_BINS,
+                 False, 0, True)  # fmt: skip
+    _align_pass2(ids_ptr, sorted_ptr, cursor_ptr, numel, num_experts, BLOCK)
+
+
+@triton.jit
+def align_expert_ids_one_block_long(ids_ptr, sorted_ptr, expert_ids_ptr, post_ptr, cursor_ptr, numel, num_experts,
+                                    BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, NUM_BINS: tl.constexpr):  # fmt: skip
+    _align_pass1(ids_ptr, expert_ids_ptr, post_ptr, cursor_ptr, numel, num_experts, BLOCK_M, BLOCK, NUM_BINS,
+                 False, 1, False)  # fmt: skip
+    _align_pass2(ids_ptr, sorted_ptr, cursor_ptr, numel, num_experts, BLOCK)
+
+
+@triton.jit
+def align_a_block_for_empty_experts(ids_ptr, sorted_ptr, expert_ids_ptr, post_ptr, cursor_ptr, numel, num_experts,
+                                    BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, NUM_BINS: tl.constexpr):  # fmt: skip
+    _align_pass1(ids_ptr, expert_ids_ptr, post_ptr, cursor_ptr, numel, num_experts, BLOCK_M, BLOCK, NUM_BINS,
+                 False, 0, False, True)  # fmt: skip
+    _align_pass2(ids_ptr, sorted_ptr, cursor_ptr, numel, num_experts, BLOCK)
+
+
+@triton.jit
+def align_bounded_by_the_bins(ids_ptr, sorted_ptr, expert_ids_ptr, post_ptr, cursor_ptr, numel, num_experts,
+                              BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, NUM_BINS: tl.constexpr):  # fmt: skip
+    # Pass 2 bounds ids by NUM_BINS, not num_experts: ids in [num_experts, NUM_BINS) take rows
+    # from cursor entries past the last run, i.e. past num_tokens_post_padded.
+    _align_pass1(ids_ptr, expert_ids_ptr, post_ptr, cursor_ptr, numel, num_experts, BLOCK_M, BLOCK, NUM_BINS,
+                 False, 0, False)  # fmt: skip
+    _align_pass2(ids_ptr, sorted_ptr, cursor_ptr, numel, NUM_BINS, BLOCK)
+
+
+@triton.jit
+def align_unbounded_ids(ids_ptr, sorted_ptr, expert_ids_ptr, post_ptr, cursor_ptr, numel, num_experts,
+                        BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, NUM_BINS: tl.constexpr):  # fmt: skip
+    # Drops -1 only: ids >= num_experts reach the histogram and index the cursor past its end.
+    offs = tl.arange(0, BLOCK)
+    counts = tl.zeros([NUM_BINS], dtype=tl.int32)
+    for start in range(0, numel, BLOCK):
+        ids = tl.load(ids_ptr + start + offs, mask=start + offs < numel, other=-1)
+        counts += tl.histogram(tl.where(ids >= 0, ids, NUM_BINS - 1).to(tl.int32), NUM_BINS)
+    bins = tl.arange(0, NUM_BINS)
+    counts = tl.where(bins < num_experts, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    starts = tl.cumsum(padded, axis=0) - padded
+    tl.store(post_ptr, tl.sum(padded, axis=0))
+    tl.store(cursor_ptr + bins, starts)
+    for e in range(0, num_experts):
+        first = tl.load(cursor_ptr + e) // BLOCK_M
+        n = tl.sum(tl.where(bins == e, padded, 0), axis=0) // BLOCK_M
+        for b in range(0, n):
+            tl.store(expert_ids_ptr + first + b, e)
+    for start in range(0, numel, BLOCK):
+        pair = start + offs
+        ids = tl.load(ids_ptr + pair, mask=pair < numel, other=-1)
+        ok = ids >= 0
+        row = tl.atomic_add(cursor_ptr + tl.where(ok, ids, 0), 1, mask=ok)
+        tl.store(sorted_ptr + row, pair, mask=ok)
 
 
 # -- 6. row plan ------------------------------------------------------------------------------
@@ -190,6 +494,11 @@ def rows_one_chunk_per_expert(counts, R, block=128):
     return plan
 
 
+def rows_overpad_multiples(counts, R, block=128):
+    total = sum((int(c) // block + 1) * block for c in counts if c)  # one block too many at exact multiples
+    return [(s, min(s + R, total)) for s in range(0, total, R)]
+
+
 def rows_unpadded(counts, R):
     return chunk_plan(int(sum(counts)), R)
 
@@ -199,6 +508,7 @@ WRONG = {
         ((plan_drops_the_short_chunk, chunk_inputs), "chunk_plan"),
         ((chunk_plan, inputs_slice_a_per_tensor_scale), "per-tensor scale"),
         ((chunk_plan, inputs_copy_each_chunk), "copied the rows"),
+        ((chunk_plan, inputs_upcast_the_rows), "a cast copied the rows"),
     ],
     "workspace_shapes": [
         ((FlatOutputExperts,), "IndexError"),
@@ -208,9 +518,40 @@ WRONG = {
     "recount": [
         ((counts_of_the_whole_batch,), "chunk_counts"),
         ((counts_gather_minus_one,), "expected"),
+        ((counts_gather_past_the_map,), "IndexError"),
+        ((counts_extra_bins,), "expected"),
+        ((counts_at_least_one_row,), r"\[(\d+), \1\)"),
     ],
-    "scan_kernel": [((scan_unmasked_gather,), "expected"), ((scan_ignores_the_map,), "expected")],
-    "histogram_kernel": [((histogram_that_scans,), "reads each id once"), ((histogram_unmasked_tail,), "expected")],
-    "align_kernel": [((align_without_padding,), "expected"), ((align_keeps_empty_slots,), "expected")],
-    "row_plan": [((rows_one_chunk_per_expert,), "every chunk must hold"), ((rows_unpadded,), "tile")],
+    "scan_kernel": [
+        ((scan_unmasked_gather,), "expected"),
+        ((scan_ignores_the_map,), "expected"),
+        ((scan_past_the_map,), "expected"),
+        ((scan_in_one_program,), "program 1 read 0 of the", "interpreter"),
+        ((scan_zero_fills_out,), "without an atomic", "interpreter"),
+    ],
+    "histogram_kernel": [
+        ((histogram_that_scans,), "reads each id once", "interpreter"),
+        ((histogram_unmasked_tail,), "expected"),
+        ((histogram_loops_experts_in_registers,), "fixed amount of work per id", "interpreter"),
+        ((histogram_rereads_by_atomic,), "an input", "interpreter"),
+        ((histogram_load_add_store,), "without an atomic", "interpreter"),
+        ((histogram_in_one_program,), "all the work in one program", "interpreter"),
+        ((histogram_unmasked_bins,), "outside its tensors", "interpreter"),
+        ((histogram_unbounded_ids,), "tl.histogram the value", "interpreter"),
+    ],
+    "align_kernel": [
+        ((align_without_padding,), "expected"),
+        ((align_keeps_empty_slots,), "expected"),
+        ((align_overpads_multiples,), r"\(exact\).*num_tokens_post_padded"),
+        ((align_first_block_only,), "expert_ids of the"),
+        ((align_expert_ids_one_block_long,), "wrote past num_tokens_post_padded"),
+        ((align_a_block_for_empty_experts,), "wrote past num_tokens_post_padded"),
+        ((align_bounded_by_the_bins,), "wrote past num_tokens_post_padded"),
+        ((align_unbounded_ids,), "outside its tensors|tl.histogram the value", "interpreter"),
+    ],
+    "row_plan": [
+        ((rows_one_chunk_per_expert,), "every chunk must hold"),
+        ((rows_unpadded,), "tile"),
+        ((rows_overpad_multiples,), r"row_chunk_plan\(\[128, 0, 256, .*tile"),
+    ],
 }
