@@ -349,8 +349,11 @@ def launch_gemm(
         if chunk is not None and chunk.write == "position" and blocks.numel == 0:
             out.zero_()  # a chunk's workspace rows hold zeros, not stale bytes
         return out
-    o0, o1, o2 = out.stride()
-    stride_pair = o0 if out.shape[1] == 1 else o1  # topk = 1: a size-1 dim's stride says nothing
+    # Pair (m, j) is at m * stride(0) + j * stride(1) = pair * stride(1), column n at n * stride(2), read
+    # as upstream's launcher read them: a 2-D out fails right here with torch's IndexError (bug 1).
+    stride_pair, o2 = out.stride(1), out.stride(2)
+    if out.shape[1] == 1:  # topk = 1: a size-1 dim's stride says nothing; pairs step by stride(0)
+        stride_pair = out.stride(0)
     quant_out = gated is not None and out.dtype == FP8
     static = gated.static_scale if quant_out else None
     out_scale = gated.out_scale if quant_out else out

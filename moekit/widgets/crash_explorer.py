@@ -17,9 +17,9 @@ import html
 import textwrap
 from dataclasses import dataclass
 
-from moekit.plan import chunk_ranges
 from moekit.experts.triton_or_deep_gemm import DEEP_GEMM_MIN_M, TritonOrDeepGemmExperts
 from moekit.modular_kernel import ModularKernel
+from moekit.plan import chunk_ranges
 from moekit.prepare_finalize.no_ep import NoEPPrepareFinalize
 from moekit.testing import make_problem
 from moekit.trace import Trace
