@@ -55,6 +55,7 @@ from moekit.quant import dequantize_fp8_block, quantize_fp8_block
 from moekit.quant import dequantize_fp8_per_token_group as dq_act
 from moekit.quant import quantize_fp8_per_token_group as q_act
 from moekit.reference import moe_reference, silu_and_mul
+from benchmarks.ceilings import H200
 from moekit.roofline import LayerShape, layer_floor
 from moekit.types import ExpertPlacement, ExpertsCall, MoEWeights, ProblemSize
 from moekit.workspace import WorkspacePool
@@ -177,9 +178,9 @@ class Case:
         return dict(tflops=round(flops / us / 1e6, 1), weight_tbs=round(wbytes / us / 1e6, 2))
 
     def floor_us(self) -> float:
-        """:func:`moekit.roofline.layer_floor` of this case, from the experts its routing hits."""
+        """:func:`moekit.roofline.layer_floor` (on the H200) of this case, from the experts its routing hits."""
         shape = LayerShape("check", E=self.E, topk=self.topk, K=self.K, I=self.N // 2)
-        return layer_floor(shape, self.M, int(torch.unique(self.ids).numel()), self.quant).us
+        return layer_floor(shape, self.M, int(torch.unique(self.ids).numel()), self.quant, ceilings=H200).us
 
 
 def precompile(cases: list[Case], threads: int = 12) -> float:

@@ -20,6 +20,7 @@ import traceback
 
 import torch
 
+from benchmarks.ceilings import H200
 from benchmarks.harness import common, measure
 from moekit import roofline
 from moekit.errors import MoekitError
@@ -139,7 +140,7 @@ def run(args: argparse.Namespace, emit, *, device) -> list[dict]:
     sample = measure.sample_rows(args.M, args.check_rows).to(device)
     ref = reference_for(x, sample)
     unique = int(torch.unique(x.topk_ids).numel())
-    floor = roofline.layer_floor(shape, args.M, unique, common.quant_of(args.dtype))
+    floor = roofline.layer_floor(shape, args.M, unique, common.quant_of(args.dtype), ceilings=H200)
     order = [("tokens", None)] + [("tokens", C) for C in args.C if C is not None]
     order += [("rows", R) for R in row_sizes(args, shape.topk)]
     rows: list[dict] = []
