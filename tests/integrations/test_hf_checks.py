@@ -14,7 +14,7 @@ import torch
 # moekit first: on a CPU it turns Triton's interpreter on before transformers imports Triton.
 import moekit  # noqa: F401
 from moekit.errors import UnsupportedModelError
-from moekit.integrations.hf_checks import check_model, check_module, is_experts
+from moekit.integrations.hf_checks import check_module, is_experts
 from moekit.testing import expect_raises
 
 pytest.importorskip("transformers")
@@ -107,14 +107,3 @@ def test_every_reason_is_given_and_the_layer_is_named():
 def test_is_experts_needs_what_the_decorator_sets():
     assert is_experts(GatedSiLU(CONFIG)) and is_experts(Ungated(CONFIG))
     assert not is_experts(_Experts(CONFIG)) and not is_experts(torch.nn.Linear(4, 4))
-
-
-def test_check_model_lists_the_experts_layers_and_names_the_first_it_cannot_run():
-    layer = torch.nn.ModuleDict({"experts": GatedSiLU(CONFIG)})
-    model = torch.nn.ModuleDict({"dense": torch.nn.Linear(H, H), "a": layer, "b": GatedSiLU(CONFIG)})
-    assert check_model(model) == ["a.experts", "b"]
-    model["c"] = Interleaved(CONFIG)
-    with expect_raises(UnsupportedModelError, match=r"^c \(Interleaved\)"):
-        check_model(model)
-    with expect_raises(UnsupportedModelError, match="Linear has no transformers experts module"):
-        check_model(torch.nn.Linear(H, H))
