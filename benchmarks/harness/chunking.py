@@ -24,9 +24,10 @@ from benchmarks.ceilings import H200
 from benchmarks.harness import common, measure
 from moekit import roofline
 from moekit.errors import MoekitError
+from moekit.experts import BY_NAME, experts_class
 
 TARGET_C, TARGET_RATIO = 1024, 1.08
-EXPERTS = ("triton", "triton_or_deep_gemm", "deep_gemm")
+EXPERTS = tuple(sorted(BY_NAME))  # every name of moekit's experts registry
 
 
 def parse_chunk(text: str) -> int | None:
@@ -60,14 +61,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def make_experts(name: str, dtype: str):
-    from moekit.experts import experts_class
-
-    quant = common.quant_of(dtype)
-    if name == "deep_gemm":
-        from moekit.experts import DeepGemmExperts
-
-        return DeepGemmExperts(quant=quant, backend="auto")
-    return experts_class(name)(quant=quant)
+    """The experts of ``name`` (:data:`moekit.experts.BY_NAME`) for the harness's ``dtype``."""
+    return experts_class(name)(quant=common.quant_of(dtype))
 
 
 def declared_workspace_bytes(experts, shape: roofline.LayerShape, M: int, C: int | None, *,

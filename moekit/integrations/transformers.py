@@ -41,11 +41,8 @@ __all__ = ["check_fp8_module", "check_model", "check_module", "register", "to_fp
 
 NAME = "moekit"
 INSTALL_HINT = "pip install 'moekit[hf]'"
-_EXPERTS_BY_NAME = {"triton": ("moekit.experts.triton", "TritonExperts")}
-_FP8_EXPERTS_BY_NAME = {
-    "triton": ("moekit.experts.triton", "TritonExperts"),
-    "triton_or_deep_gemm": ("moekit.experts.triton_or_deep_gemm", "TritonOrDeepGemmExperts"),
-}
+# The names of moekit.experts.BY_NAME that each kind of layer may ask for.
+_NAMES = {"experts": ("triton",), "fp8_experts": ("triton", "triton_or_deep_gemm")}
 
 
 def _hf_moe():
@@ -223,17 +220,13 @@ def _check_import_order() -> None:
 
 def _experts_factory(experts, *, fp8: bool = False) -> Callable[[], Experts]:
     if isinstance(experts, str):
-        names = _FP8_EXPERTS_BY_NAME if fp8 else _EXPERTS_BY_NAME
-        if experts not in names:
-            what = "fp8_experts" if fp8 else "experts"
-            raise InvalidInputError(f"{what} must be one of {sorted(names)}, got {experts!r}")
         import functools
-        import importlib
 
+        from moekit.experts import experts_class
         from moekit.types import QuantScheme
 
-        module, cls = names[experts]
-        factory = getattr(importlib.import_module(module), cls)
+        what = "fp8_experts" if fp8 else "experts"
+        factory = experts_class(experts, among=_NAMES[what], what=what)
         return functools.partial(factory, quant=QuantScheme.FP8_BLOCK) if fp8 else factory
     if isinstance(experts, Experts):
         return lambda: experts
