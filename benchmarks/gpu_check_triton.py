@@ -51,7 +51,7 @@ from moekit.kernels.align import moe_align_block_size
 from moekit.kernels.configs import KernelConfig, get_config
 from moekit.kernels.fused_moe import GatedOutput, fused_moe_gemm
 from moekit.prepare_finalize.no_ep import NoEPPrepareFinalize
-from moekit.quant import dequantize_fp8_block, quantize_fp8_block
+from moekit.quant import FP8, FP8_GROUP, dequantize_fp8_block, quantize_fp8_block
 from moekit.quant import dequantize_fp8_per_token_group as dq_act
 from moekit.quant import quantize_fp8_per_token_group as q_act
 from moekit.reference import moe_reference, silu_and_mul
@@ -105,7 +105,7 @@ class Case:
         self.wa, self.wb = (self.q1, self.q2) if self.fp8 else (self.w1, self.w2)
         self.scales = dict(w1_scale=self.s1, w2_scale=self.s2) if self.fp8 else {}
         self.quant = QuantScheme.FP8_BLOCK if self.fp8 else QuantScheme.NONE
-        self.cdtype = torch.float8_e4m3fn if self.fp8 else torch.bfloat16
+        self.cdtype = FP8 if self.fp8 else torch.bfloat16
         self.graph = M <= 128
         self.hidden = torch.randn(M, self.K, device=dev).bfloat16()
         w, self.ids = torch.softmax(torch.randn(M, self.E, device=dev), dim=-1).topk(self.topk, dim=-1)
@@ -116,8 +116,8 @@ class Case:
         if self.fp8:
             self.a1, self.a1_s = q_act(self.hidden)
             self.mid, self.mid_s = q_act(torch.randn(R, H, device=dev).bfloat16())
-            self.gated = lambda: GatedOutput(out_scale=torch.empty(R, H // 128, device=dev))
-            self.out_g = torch.empty(M, self.topk, H, device=dev, dtype=torch.float8_e4m3fn)
+            self.gated = lambda: GatedOutput(out_scale=torch.empty(R, H // FP8_GROUP, device=dev))
+            self.out_g = torch.empty(M, self.topk, H, device=dev, dtype=FP8)
         else:
             self.a1, self.a1_s, self.mid, self.mid_s = self.hidden, None, torch.randn(R, H, device=dev).bfloat16(), None
             self.gated, self.out_g = GatedOutput, torch.empty(M, self.topk, H, device=dev, dtype=torch.bfloat16)

@@ -25,6 +25,7 @@ from benchmarks.harness import common, measure
 from moekit import roofline
 from moekit.errors import MoekitError
 from moekit.experts import BY_NAME, experts_class
+from moekit.quant import FP8
 
 TARGET_C, TARGET_RATIO = 1024, 1.08
 EXPERTS = tuple(sorted(BY_NAME))  # every name of moekit's experts registry
@@ -91,7 +92,7 @@ def declared_table(experts, shape, Cs, Ms, *, act_dtype=torch.bfloat16) -> list[
 
 
 def _act_dtype(dtype: str) -> torch.dtype:
-    return torch.float8_e4m3fn if dtype == "fp8" else torch.bfloat16
+    return FP8 if dtype == "fp8" else torch.bfloat16
 
 
 def _limits(call, chunks: int) -> dict:

@@ -15,6 +15,7 @@ import torch
 import moekit  # noqa: F401
 from moekit.errors import UnsupportedModelError
 from moekit.integrations.hf_checks import check_module, is_experts
+from moekit.quant import FP8
 from moekit.testing import expect_raises
 
 pytest.importorskip("transformers")
@@ -91,7 +92,7 @@ def test_an_activation_is_judged_by_what_it_computes():
 
 def test_quantized_or_misshapen_weights_are_refused():
     with expect_raises(UnsupportedModelError, match="expected unquantized 3-D float tensors"):
-        check_module(GatedSiLU(CONFIG, dtype=torch.float8_e4m3fn))
+        check_module(GatedSiLU(CONFIG, dtype=FP8))
     with expect_raises(UnsupportedModelError, match=r"gate_up_proj \(8, 63, 64\).*not \[E, 2I, H\]"):
         check_module(GatedSiLU(CONFIG, w1_shape=(E, 2 * I - 1, H)))
     with expect_raises(UnsupportedModelError, match=r"gate_up_proj \(8, 66, 64\), down_proj \(8, 64, 32\)"):
