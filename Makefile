@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml requirements/pins.txt Makefile
 	@touch $(STAMP)
 
 lint: venv
-	$(VENV)/bin/ruff check moekit tests notebooks benchmarks
+	$(VENV)/bin/ruff check moekit tests notebooks benchmarks tools
 
 # On a CUDA machine the `interpreter` tests (CPU tensors into the kernels) skip in the first run,
 # which compiles for the GPU; the second run gives them Triton's interpreter, as CI does.

@@ -236,8 +236,8 @@ def main() -> int:
             result["deep_gemm"] = {"error": f"{type(e).__name__}: {e}"}
             print(f"real deep_gemm failed: {result['deep_gemm']['error']}")
     if cuda:  # registers, spills and shared memory of every contiguous-GEMM variant compiled
+        from benchmarks.kernel_report import kernel_reports
         from moekit.kernels.contiguous_gemm import _contiguous_gemm_kernel
-        from moekit.kernels.report import kernel_reports
 
         reports = kernel_reports(_contiguous_gemm_kernel)
         result["compiler"] = [r.__dict__ for r in reports]

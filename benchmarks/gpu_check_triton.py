@@ -51,10 +51,11 @@ from moekit.kernels.align import moe_align_block_size
 from moekit.kernels.configs import KernelConfig, get_config
 from moekit.kernels.fused_moe import GatedOutput, fused_moe_gemm
 from moekit.prepare_finalize.no_ep import NoEPPrepareFinalize
-from moekit.quant import dequantize_fp8_block, quantize_fp8_block
+from moekit.quant import FP8, FP8_GROUP, dequantize_fp8_block, quantize_fp8_block
 from moekit.quant import dequantize_fp8_per_token_group as dq_act
 from moekit.quant import quantize_fp8_per_token_group as q_act
 from moekit.reference import moe_reference, silu_and_mul
+from benchmarks.ceilings import H200
 from moekit.roofline import LayerShape, layer_floor
 from moekit.plan import chunk_ranges
 from moekit.types import ExpertPlacement, ExpertsCall, MoEWeights, ProblemSize
@@ -105,7 +106,7 @@ class Case:
         self.wa, self.wb = (self.q1, self.q2) if self.fp8 else (self.w1, self.w2)
         self.scales = dict(w1_scale=self.s1, w2_scale=self.s2) if self.fp8 else {}
         self.quant = QuantScheme.FP8_BLOCK if self.fp8 else QuantScheme.NONE
-        self.cdtype = torch.float8_e4m3fn if self.fp8 else torch.bfloat16
+        self.cdtype = FP8 if self.fp8 else torch.bfloat16
         self.graph = M <= 128
         self.hidden = torch.randn(M, self.K, device=dev).bfloat16()
         w, self.ids = torch.softmax(torch.randn(M, self.E, device=dev), dim=-1).topk(self.topk, dim=-1)
@@ -116,8 +117,8 @@ class Case:
         if self.fp8:
             self.a1, self.a1_s = q_act(self.hidden)
             self.mid, self.mid_s = q_act(torch.randn(R, H, device=dev).bfloat16())
-            self.gated = lambda: GatedOutput(out_scale=torch.empty(R, H // 128, device=dev))
-            self.out_g = torch.empty(M, self.topk, H, device=dev, dtype=torch.float8_e4m3fn)
+            self.gated = lambda: GatedOutput(out_scale=torch.empty(R, H // FP8_GROUP, device=dev))
+            self.out_g = torch.empty(M, self.topk, H, device=dev, dtype=FP8)
         else:
             self.a1, self.a1_s, self.mid, self.mid_s = self.hidden, None, torch.randn(R, H, device=dev).bfloat16(), None
             self.gated, self.out_g = GatedOutput, torch.empty(M, self.topk, H, device=dev, dtype=torch.bfloat16)
@@ -178,9 +179,9 @@ class Case:
         return dict(tflops=round(flops / us / 1e6, 1), weight_tbs=round(wbytes / us / 1e6, 2))
 
     def floor_us(self) -> float:
-        """:func:`moekit.roofline.layer_floor` of this case, from the experts its routing hits."""
+        """:func:`moekit.roofline.layer_floor` (on the H200) of this case, from the experts its routing hits."""
         shape = LayerShape("check", E=self.E, topk=self.topk, K=self.K, I=self.N // 2)
-        return layer_floor(shape, self.M, int(torch.unique(self.ids).numel()), self.quant).us
+        return layer_floor(shape, self.M, int(torch.unique(self.ids).numel()), self.quant, ceilings=H200).us
 
 
 def precompile(cases: list[Case], threads: int = 12) -> float:

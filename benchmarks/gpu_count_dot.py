@@ -85,9 +85,9 @@ def main() -> int:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(payload, indent=1, default=str))
     if on_gpu:  # registers, spills and shared memory of every compiled variant
+        from benchmarks.kernel_report import kernel_reports
         from benchmarks.variants.count_dot import _count_dot_kernel
         from moekit.kernels.count import _count_histogram_kernel
-        from moekit.kernels.report import kernel_reports
 
         reports = [asdict(r) for fn in (_count_dot_kernel, _count_histogram_kernel) for r in kernel_reports(fn)]
         for r in reports:

@@ -31,7 +31,8 @@ from benchmarks.triton_tiles import C
 from moekit.kernels.activation import silu_and_mul
 from moekit.kernels.align import moe_align_block_size
 from moekit.kernels.configs import get_config
-from moekit.kernels.fused_moe import GatedOutput, compile_report, fused_moe_gemm
+from benchmarks.kernel_report import kernel_reports
+from moekit.kernels.fused_moe import GatedOutput, _fused_moe_kernel, fused_moe_gemm
 from moekit.roofline import SHAPES
 
 GATED = ["128x128x64 g8 w8 s3", "128x128x64 g8 w8 s3 t", "128x128x64 g8 w8 s4 t",
@@ -147,7 +148,7 @@ def main() -> int:
         torch.cuda.empty_cache()
         if out is not None:
             out.write_text(json.dumps(payload, indent=1, default=str))
-    for r in compile_report():
+    for r in kernel_reports(_fused_moe_kernel):
         c = r.constants
         if c.get("GATED"):
             print(f"gated {c.get('BLOCK_M')}x{c.get('BLOCK_N')}x{c.get('BLOCK_K')} tail{c.get('TAIL_M')} "

@@ -35,8 +35,8 @@ import triton.language as tl
 
 from moekit.kernels.align import moe_align_block_size
 from moekit.kernels.configs import KernelConfig, get_config
-from moekit.kernels.fused_moe import compile_report, fused_moe_gemm
-from moekit.kernels.report import kernel_reports
+from benchmarks.kernel_report import kernel_reports
+from moekit.kernels.fused_moe import _fused_moe_kernel, fused_moe_gemm
 from moekit.roofline import SHAPES
 
 # vLLM's H200 entries for E=128, N=768 (Qwen3-30B-A3B at TP 1), by batch size (vLLM takes the
@@ -226,7 +226,7 @@ def main() -> None:
     print("\n== compiler report (moekit grouped GEMM variants)")
     reports = []
     theirs = kernel_reports(vllm.fused_moe_kernel) if vllm is not None else []
-    for who, r in [("moekit", r) for r in compile_report()] + [("vLLM", r) for r in theirs]:
+    for who, r in [("moekit", r) for r in kernel_reports(_fused_moe_kernel)] + [("vLLM", r) for r in theirs]:
         c = r.constants
         bm, bn, bk = (c.get(f"BLOCK_{x}", c.get(f"BLOCK_SIZE_{x}")) for x in "MNK")
         tag = f"{who} {bm}x{bn}x{bk} tail{c.get('TAIL_M', 0)} gated{int(bool(c.get('GATED', 0)))}"

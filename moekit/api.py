@@ -58,7 +58,8 @@ def fused_moe(
     Args:
         hidden: ``[M, K]`` activations. w1: ``[E, N, K]``. w2: ``[E, K, N/2]``.
         topk_weights, topk_ids: ``[M, topk]`` from :func:`moekit.routing.route`.
-        experts: "triton", "deep_gemm" or "triton_or_deep_gemm".
+        experts: a name of :data:`moekit.experts.BY_NAME` ("triton", "deep_gemm", "triton_or_deep_gemm",
+            "grouped_mm").
         chunk_size: tokens per chunk (None: one chunk).
         expert_map, global_num_experts: expert parallelism within one process (see
             :class:`moekit.ModularKernel`).

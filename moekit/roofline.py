@@ -9,27 +9,25 @@ does two GEMMs per (token, slot) pair::
     bytes = unique_experts * (N * K + K * I) * weight_bytes  (+ fp8 block scales)
             + M * K * in_bytes + M * K * out_bytes
     flops = 2 * M * topk * K * N  +  2 * M * topk * I * K
-    floor = max(bytes / 4.3 TB/s, flops / peak)     peak: 790 TF/s bf16, 1365 TF/s fp8 block
+    floor = max(bytes / bandwidth, flops / peak[quant])        (a machine's Ceilings)
 
 Worked example (Qwen3-30B-A3B, bf16, M=1): 8 experts x (1536 x 2048 + 2048 x 768) x 2 bytes
-= 75.5 MB, so the floor is 75.5e6 / 4.3e12 = 17.6 us.
+= 75.5 MB; at the 4.3 TB/s an H200 copies, the floor is 75.5e6 / 4.3e12 = 17.6 us.
 
-The two ceilings were measured on one H200: a device copy at 4.3 TB/s (bytes read plus
-written), a bf16 GEMM at 790 TF/s and an fp8 ``torch._scaled_mm`` at 1365 TF/s. The benchmark
-harness (``benchmarks/harness``) sets every measurement beside this floor.
+The ceilings are the caller's: what one machine was measured to do (the H200's live with the
+benchmarks, beside the measurements they bound).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from moekit.errors import InvalidInputError
+from moekit.quant import FP8_GROUP
 from moekit.types import QuantScheme
 
-BANDWIDTH = 4.3e12  # bytes/s, device copy measured on the H200 (read + write)
-# flop/s measured on the H200: a bf16 GEMM (16-bit weights), an fp8 torch._scaled_mm (fp8 block)
-PEAK_FLOPS = {QuantScheme.NONE: 790e12, QuantScheme.FP8_BLOCK: 1365e12}
 _WEIGHT_BYTES = {QuantScheme.NONE: 2, QuantScheme.FP8_BLOCK: 1}
 _ACT_BYTES = 2  # activations enter and leave in bf16 (fp8 quantization happens inside the layer)
 
@@ -54,8 +52,8 @@ class LayerShape:
         elems = self.N * self.K + self.K * self.I
         scales = 0
         if quant is QuantScheme.FP8_BLOCK:
-            scales = 4 * (math.ceil(self.N / 128) * math.ceil(self.K / 128)
-                          + math.ceil(self.K / 128) * math.ceil(self.I / 128))
+            blocks = lambda rows, cols: math.ceil(rows / FP8_GROUP) * math.ceil(cols / FP8_GROUP)
+            scales = 4 * (blocks(self.N, self.K) + blocks(self.K, self.I))
         return elems * _WEIGHT_BYTES[quant] + scales
 
 
@@ -98,6 +96,24 @@ def expected_unique_experts(shape: LayerShape, M: int) -> float:
 
 
 @dataclass(frozen=True)
+class Ceilings:
+    """What one machine can do at best: ``bandwidth`` bytes/s (a device copy, read plus write)
+    and ``flops[quant]`` flop/s of a GEMM with that scheme's weights."""
+
+    name: str
+    bandwidth: float
+    flops: Mapping[QuantScheme, float]
+
+    def __post_init__(self):
+        positive = lambda x: isinstance(x, int | float) and not isinstance(x, bool) and x > 0
+        if not positive(self.bandwidth):
+            raise InvalidInputError(f"{self.name}: bandwidth must be > 0 bytes/s, got {self.bandwidth!r}")
+        bad = {q: f for q, f in self.flops.items() if not isinstance(q, QuantScheme) or not positive(f)}
+        if bad or not self.flops:
+            raise InvalidInputError(f"{self.name}: flops must map QuantSchemes to flop/s > 0, got {dict(self.flops)!r}")
+
+
+@dataclass(frozen=True)
 class Floor:
     """The floor of one call and which term sets it."""
 
@@ -115,8 +131,18 @@ class Floor:
         return "memory" if self.memory_us >= self.compute_us else "compute"
 
 
-def layer_floor(shape: LayerShape, M: int, unique_experts: int, quant: QuantScheme) -> Floor:
-    """``max(bytes / 4.3 TB/s, flops / peak)`` for one call (see the module docstring)."""
+def layer_floor(shape: LayerShape, M: int, unique_experts: int, quant: QuantScheme, *, ceilings: Ceilings) -> Floor:
+    """``max(bytes / bandwidth, flops / peak)`` for one call on the machine of ``ceilings``.
+
+    Raises:
+        InvalidInputError: ``quant`` is no QuantScheme, ``ceilings`` is no :class:`Ceilings` or
+            has no peak for ``quant``, or ``unique_experts`` is out of range.
+    """
+    if not isinstance(ceilings, Ceilings):
+        raise InvalidInputError(f"ceilings must be a moekit.roofline.Ceilings, got {type(ceilings).__name__}")
     b = layer_bytes(shape, M, unique_experts, quant)
+    if quant not in ceilings.flops:
+        known = sorted(q.name for q in ceilings.flops)
+        raise InvalidInputError(f"{ceilings.name} has no peak for {quant} (it has {known}); add one to its flops")
     f = layer_flops(shape, M)
-    return Floor(b, f, b / BANDWIDTH * 1e6, f / PEAK_FLOPS[quant] * 1e6)
+    return Floor(b, f, b / ceilings.bandwidth * 1e6, f / ceilings.flops[quant] * 1e6)

@@ -23,6 +23,7 @@ import torch
 
 from moekit.quant import (
     FP8,
+    FP8_GROUP,
     dequantize_fp8_block,
     dequantize_fp8_per_token_group,
     quantize_fp8_block,
@@ -38,9 +39,9 @@ TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.float32: (2e-4, 2e-4),
     torch.float16: (1e-2, 1e-2),
     torch.bfloat16: (2e-2, 2e-2),
-    torch.float8_e4m3fn: (6e-2, 6e-2),
+    FP8: (6e-2, 6e-2),
 }
-NORM_TOLERANCE = {torch.float8_e4m3fn: 4e-2}
+NORM_TOLERANCE = {FP8: 4e-2}
 
 
 def tolerance(dtype: torch.dtype) -> tuple[float, float]:
@@ -220,7 +221,7 @@ def _random_weights(E, R, C, *, dtype, fp8, generator, device, block: int = 16):
     """``randn(E, R, C) / sqrt(C)``, made (and fp8-quantized) a block of experts at a time, so a
     DeepSeek-V3-sized layer never needs an fp32 copy of all its experts."""
     w = torch.empty(E, R, C, dtype=FP8 if fp8 else dtype, device=device)
-    scale = torch.empty(E, -(-R // 128), -(-C // 128), device=device) if fp8 else None
+    scale = torch.empty(E, -(-R // FP8_GROUP), -(-C // FP8_GROUP), device=device) if fp8 else None
     for e0 in range(0, E, block):
         part = torch.randn(min(block, E - e0), R, C, generator=generator, device=device) * C**-0.5
         if fp8:

@@ -4,6 +4,7 @@ import torch
 import moekit
 from moekit.errors import ChunkSizeError, InvalidIdsError, InvalidInputError
 from moekit.quant import (
+    FP8,
     dequantize_fp8_block,
     dequantize_fp8_per_token_group,
     quantize_fp8_block,
@@ -39,7 +40,7 @@ def test_fused_moe_fp8_weights_select_fp8_block():
     out = moekit.fused_moe(x, q1, q2, tw, ti, experts="triton", w1_scale=s1, w2_scale=s2)
     xd = dequantize_fp8_per_token_group(*quantize_fp8_per_token_group(x))
     ref = moe_reference(xd, dequantize_fp8_block(q1, s1), dequantize_fp8_block(q2, s2), tw, ti)
-    assert_close(out, ref, dtype=torch.float8_e4m3fn)
+    assert_close(out, ref, dtype=FP8)
 
 
 def test_fused_moe_names_bad_arguments():

@@ -10,6 +10,7 @@ import torch
 from moekit.errors import QuantizationError
 from moekit.quant import (
     FP8,
+    FP8_GROUP,
     FP8_MAX,
     dequantize_fp8_block,
     dequantize_fp8_per_token_group,
@@ -34,19 +35,24 @@ def random_groups(M: int, K: int, dtype=torch.float32) -> torch.Tensor:
     return (torch.randn(M, K) * torch.exp2(torch.randint(-12, 6, (M, K)).float())).to(dtype)
 
 
+def test_the_one_fp8_dtype_and_group_width():
+    # DeepSeek-V3's and DeepGEMM's: e4m3 (finite, max 448) and 128-wide groups / 128 x 128 blocks.
+    assert FP8 is torch.float8_e4m3fn and FP8_MAX == 448.0 and FP8_GROUP == 128
+
+
 @pytest.mark.parametrize("M,K", [(1, 128), (5, 256), (8, 200), (3, 7)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_per_token_group_round_trip(M, K, dtype):
     x = random_groups(M, K, dtype)
     q, scale = quantize_fp8_per_token_group(x)
-    G = math.ceil(K / 128)
+    G = math.ceil(K / FP8_GROUP)
     assert q.dtype == FP8 and q.shape == (M, K) and q.is_contiguous()
     assert scale.dtype == torch.float32 and scale.shape == (M, G)
     back = dequantize_fp8_per_token_group(q, scale)
     assert back.shape == (M, K) and back.dtype == torch.float32
-    assert_within_fp8_bound(x, back, scale.repeat_interleave(128, dim=1)[:, :K])
+    assert_within_fp8_bound(x, back, scale.repeat_interleave(FP8_GROUP, dim=1)[:, :K])
     # scale = amax / 448: the largest element of each group lands on +-448 and comes back exact
-    padded = torch.nn.functional.pad(x.float().abs(), (0, G * 128 - K)).view(M, G, 128)
+    padded = torch.nn.functional.pad(x.float().abs(), (0, G * FP8_GROUP - K)).view(M, G, FP8_GROUP)
     torch.testing.assert_close(scale, padded.amax(-1) / FP8_MAX)
     assert float(q.float().abs().max()) == FP8_MAX
 
@@ -76,7 +82,7 @@ def test_column_major_scale_layout(M):
     q_row, scale_row = quantize_fp8_per_token_group(x)
     q_col, scale_col = quantize_fp8_per_token_group(x, column_major=True)
     padded_M = (M + 3) // 4 * 4  # TMA alignment: rows padded to a multiple of 4
-    G = K // 128
+    G = K // FP8_GROUP
     assert scale_col.shape == (M, G)
     assert scale_col.stride() == (1, padded_M)  # column-major: one group's scales are adjacent
     assert scale_col.untyped_storage().nbytes() == G * padded_M * 4
@@ -92,16 +98,16 @@ def test_block_round_trip(shape, dtype):
     w = (torch.randn(*shape) * torch.exp2(torch.randint(-8, 4, shape).float())).to(dtype)
     q, scale = quantize_fp8_block(w)
     *lead, R, C = shape
-    Rb, Cb = math.ceil(R / 128), math.ceil(C / 128)
+    Rb, Cb = math.ceil(R / FP8_GROUP), math.ceil(C / FP8_GROUP)
     assert q.dtype == FP8 and q.shape == w.shape and q.is_contiguous()
     assert scale.dtype == torch.float32 and scale.shape == (*lead, Rb, Cb) and scale.is_contiguous()
     back = dequantize_fp8_block(q, scale)
     assert back.shape == w.shape
-    per_elem = scale.repeat_interleave(128, dim=-2).repeat_interleave(128, dim=-1)[..., :R, :C]
+    per_elem = scale.repeat_interleave(FP8_GROUP, dim=-2).repeat_interleave(FP8_GROUP, dim=-1)[..., :R, :C]
     assert_within_fp8_bound(w, back, per_elem)
     # every block's scale is its amax / 448
-    padded = torch.nn.functional.pad(w.float().abs(), (0, Cb * 128 - C, 0, Rb * 128 - R))
-    amax = padded.view(*lead, Rb, 128, Cb, 128).amax(dim=(-3, -1))
+    padded = torch.nn.functional.pad(w.float().abs(), (0, Cb * FP8_GROUP - C, 0, Rb * FP8_GROUP - R))
+    amax = padded.view(*lead, Rb, FP8_GROUP, Cb, FP8_GROUP).amax(dim=(-3, -1))
     torch.testing.assert_close(scale, amax / FP8_MAX)
 
 

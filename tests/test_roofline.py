@@ -1,4 +1,4 @@
-"""moekit.roofline: the bytes and flops of one MoE layer call, and its floor on the H200."""
+"""moekit.roofline: the bytes and flops of one MoE layer call, and its floor on a given machine."""
 
 from __future__ import annotations
 
@@ -11,15 +11,8 @@ from moekit.types import QuantScheme
 QWEN = roofline.get_shape("qwen3_30b_a3b")
 DSV3 = roofline.get_shape("deepseek_v3")
 BF16, FP8 = QuantScheme.NONE, QuantScheme.FP8_BLOCK
-
-# The floors recorded beside the H200 anchors (us), at uniform routing's expected experts hit.
-FLOORS = {
-    ("qwen3_30b_a3b", "bf16", 1): 17.6,
-    ("qwen3_30b_a3b", "bf16", 128): 281.0,
-    ("qwen3_30b_a3b", "bf16", 4096): 391.0,
-    ("qwen3_30b_a3b", "bf16", 16384): 1566.0,
-    ("deepseek_v3", "bf16", 16384): 14600.0,
-}
+# A made-up machine with round numbers, so each floor below can be checked by hand.
+UNIT = roofline.Ceilings("unit", bandwidth=1e12, flops={BF16: 500e12, FP8: 1000e12})
 
 
 def test_named_shapes():
@@ -48,35 +41,29 @@ def test_bytes_count_hit_experts_and_activations():
         QWEN.expert_bytes("bf16")  # a QuantScheme, not the harness's dtype string
 
 
-@pytest.mark.parametrize(("key", "facts_us"), sorted(FLOORS.items()))
-def test_floors_match_facts(key, facts_us):
-    name, dtype, M = key
-    shape = roofline.get_shape(name)
-    unique = round(roofline.expected_unique_experts(shape, M))
-    floor = roofline.layer_floor(shape, M, unique, BF16 if dtype == "bf16" else FP8)
-    assert floor.us == pytest.approx(facts_us, rel=0.005)
-    assert floor.bound == ("memory" if M <= 128 else "compute")
+def test_odd_sizes_round_the_fp8_scale_blocks_up():
+    odd = roofline.LayerShape("odd", E=4, topk=2, K=130, I=70)  # N = 140: 2 x 2 and 2 x 1 blocks
+    assert odd.expert_bytes(FP8) == 140 * 130 + 130 * 70 + 4 * (2 * 2 + 2 * 1)
 
 
-def test_fp8_floor_uses_the_fp8_peak():
-    bf16 = roofline.layer_floor(DSV3, 16384, 256, BF16)
-    fp8 = roofline.layer_floor(DSV3, 16384, 256, FP8)
-    assert fp8.compute_us == pytest.approx(bf16.compute_us * 790 / 1365)
+def test_the_floor_is_the_larger_of_its_two_terms():
+    small = roofline.layer_floor(QWEN, 1, 8, BF16, ceilings=UNIT)
+    assert small.bytes == roofline.layer_bytes(QWEN, 1, 8, BF16) and small.flops == roofline.layer_flops(QWEN, 1)
+    assert small.memory_us == pytest.approx(small.bytes / 1e12 * 1e6)
+    assert small.compute_us == pytest.approx(small.flops / 500e12 * 1e6)
+    assert small.bound == "memory" and small.us == small.memory_us > small.compute_us
+    large = roofline.layer_floor(QWEN, 16384, 128, BF16, ceilings=UNIT)
+    assert large.bound == "compute" and large.us == large.compute_us > large.memory_us
+
+
+def test_the_floor_takes_the_peak_of_its_quant_scheme():
+    bf16 = roofline.layer_floor(DSV3, 16384, 256, BF16, ceilings=UNIT)
+    fp8 = roofline.layer_floor(DSV3, 16384, 256, FP8, ceilings=UNIT)
+    assert fp8.compute_us == pytest.approx(bf16.compute_us / 2)  # UNIT's fp8 peak is twice its bf16 peak
     assert fp8.memory_us < bf16.memory_us
-
-
-def test_the_worked_example_of_the_docstring():
-    # Qwen3-30B-A3B, bf16, M=1: 8 experts x (1536 x 2048 + 2048 x 768) x 2 bytes = 75.5 MB -> 17.6 us
-    floor = roofline.layer_floor(QWEN, 1, 8, BF16)
-    assert floor.bytes == pytest.approx(75.5e6, rel=1e-3)
-    assert floor.us == pytest.approx(17.6, abs=0.1)
-    assert floor.bound == "memory" and floor.us == floor.memory_us > floor.compute_us
-
-
-def test_large_batches_are_compute_bound():
-    floor = roofline.layer_floor(QWEN, 16384, 128, BF16)
-    assert floor.bound == "compute" and floor.us == floor.compute_us
-    assert floor.compute_us == pytest.approx(roofline.layer_flops(QWEN, 16384) / 790e12 * 1e6)
+    faster = roofline.Ceilings("2x", bandwidth=2e12, flops={BF16: 1000e12})
+    twice = roofline.layer_floor(DSV3, 16384, 256, BF16, ceilings=faster)
+    assert twice.us == pytest.approx(bf16.us / 2)
 
 
 def test_expected_unique_experts():
@@ -93,4 +80,20 @@ def test_bytes_bounds_and_zero_experts():
     with pytest.raises(InvalidInputError, match=r"unique_experts must be in \[0, min\(E=128, M\*topk=8\)\]"):
         roofline.layer_bytes(QWEN, 1, -1, BF16)
     with pytest.raises(InvalidInputError, match="QuantScheme"):
-        roofline.layer_floor(QWEN, 1, 8, "fp8")
+        roofline.layer_floor(QWEN, 1, 8, "fp8", ceilings=UNIT)
+
+
+def test_bad_ceilings_are_named():
+    with pytest.raises(InvalidInputError, match="ceilings must be a moekit.roofline.Ceilings, got dict"):
+        roofline.layer_floor(QWEN, 1, 8, BF16, ceilings={"bandwidth": 1e12})
+    bf16_only = roofline.Ceilings("bf16 only", bandwidth=1e12, flops={BF16: 1e15})
+    with pytest.raises(InvalidInputError, match=r"bf16 only has no peak for QuantScheme.FP8_BLOCK \(it has \['NONE'\]"):
+        roofline.layer_floor(QWEN, 1, 8, FP8, ceilings=bf16_only)
+    with pytest.raises(InvalidInputError, match="bandwidth must be > 0"):
+        roofline.Ceilings("x", bandwidth=0, flops={BF16: 1e15})
+    with pytest.raises(InvalidInputError, match="flops must map QuantSchemes"):
+        roofline.Ceilings("x", bandwidth=1e12, flops={"bf16": 1e15})
+    with pytest.raises(InvalidInputError, match="flops must map QuantSchemes"):
+        roofline.Ceilings("x", bandwidth=1e12, flops={})
+    with pytest.raises(InvalidInputError, match="flops must map QuantSchemes"):
+        roofline.Ceilings("x", bandwidth=1e12, flops={BF16: "fast"})

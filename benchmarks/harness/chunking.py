@@ -20,12 +20,15 @@ import traceback
 
 import torch
 
+from benchmarks.ceilings import H200
 from benchmarks.harness import common, measure
 from moekit import roofline
 from moekit.errors import MoekitError
+from moekit.experts import BY_NAME, experts_class
+from moekit.quant import FP8
 
 TARGET_C, TARGET_RATIO = 1024, 1.08
-EXPERTS = ("triton", "triton_or_deep_gemm", "deep_gemm")
+EXPERTS = tuple(sorted(BY_NAME))  # every name of moekit's experts registry
 
 
 def parse_chunk(text: str) -> int | None:
@@ -59,14 +62,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def make_experts(name: str, dtype: str):
-    from moekit.experts import experts_class
-
-    quant = common.quant_of(dtype)
-    if name == "deep_gemm":
-        from moekit.experts import DeepGemmExperts
-
-        return DeepGemmExperts(quant=quant, backend="auto")
-    return experts_class(name)(quant=quant)
+    """The experts of ``name`` (:data:`moekit.experts.BY_NAME`) for the harness's ``dtype``."""
+    return experts_class(name)(quant=common.quant_of(dtype))
 
 
 def declared_workspace_bytes(experts, shape: roofline.LayerShape, M: int, C: int | None, *,
@@ -95,7 +92,7 @@ def declared_table(experts, shape, Cs, Ms, *, act_dtype=torch.bfloat16) -> list[
 
 
 def _act_dtype(dtype: str) -> torch.dtype:
-    return torch.float8_e4m3fn if dtype == "fp8" else torch.bfloat16
+    return FP8 if dtype == "fp8" else torch.bfloat16
 
 
 def _limits(call, chunks: int) -> dict:
@@ -139,7 +136,7 @@ def run(args: argparse.Namespace, emit, *, device) -> list[dict]:
     sample = measure.sample_rows(args.M, args.check_rows).to(device)
     ref = reference_for(x, sample)
     unique = int(torch.unique(x.topk_ids).numel())
-    floor = roofline.layer_floor(shape, args.M, unique, common.quant_of(args.dtype))
+    floor = roofline.layer_floor(shape, args.M, unique, common.quant_of(args.dtype), ceilings=H200)
     order = [("tokens", None)] + [("tokens", C) for C in args.C if C is not None]
     order += [("rows", R) for R in row_sizes(args, shape.topk)]
     rows: list[dict] = []

@@ -26,11 +26,11 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.ceilings import H200
 from moekit.errors import InvalidInputError
-from moekit.roofline import BANDWIDTH, PEAK_FLOPS
 from moekit.types import QuantScheme
 
-BF16_FLOPS = PEAK_FLOPS[QuantScheme.NONE]  # flop/s: bf16 GEMM measured on the H200
+BF16_FLOPS = H200.flops[QuantScheme.NONE]  # flop/s: bf16 GEMM measured on the H200
 # The weight dtypes of the CLI and the JSON, and the QuantScheme each means for moekit.
 DTYPES = ("bf16", "fp8")
 _QUANT = {"bf16": QuantScheme.NONE, "fp8": QuantScheme.FP8_BLOCK}
@@ -134,7 +134,7 @@ def cpu_median_us(fn: Callable[[], object], *, reps: int = 5) -> float:
 
 def floor_us(*, bytes_moved: float = 0.0, flops: float = 0.0, flops_per_s: float = BF16_FLOPS) -> float:
     """``max(bytes / 4.3 TB/s, flops / peak)`` in microseconds: what no kernel can beat."""
-    return max(bytes_moved / BANDWIDTH, flops / flops_per_s) * 1e6
+    return max(bytes_moved / H200.bandwidth, flops / flops_per_s) * 1e6
 
 
 def _cell(value, fmt: str | None) -> str:

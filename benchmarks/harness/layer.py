@@ -2,9 +2,9 @@
 
 For each M: draw weights and routing (:func:`moekit.testing.make_problem`), check every peer
 against the fp32 reference on a sample of rows, then time it (a CUDA graph for M <=
---graph-max-M, else eager ``do_bench`` medians), and report the floor
-(:mod:`moekit.roofline`), the fraction of it reached, peak memory, the recorded H200 anchors and the
-issue's targets. Example::
+--graph-max-M, else eager ``do_bench`` medians), and report the floor (:mod:`moekit.roofline` at
+:data:`benchmarks.ceilings.H200`), the fraction of it reached, peak memory, the recorded H200
+anchors and the issue's targets. Example::
 
     python -m benchmarks.harness layer --shape qwen3_30b_a3b --M 1 128 4096 16384 --dtype bf16
     python -m benchmarks.harness layer --shape deepseek_v3 --M 4096 --dtype fp8 --phases
@@ -18,6 +18,7 @@ import traceback
 
 import torch
 
+from benchmarks.ceilings import H200
 from benchmarks.harness import anchors, common, measure
 from benchmarks.harness.peers import DEFAULT_PEERS, PEERS, make_peer
 from benchmarks.harness.problem import build_problem, reference_for, with_tokens
@@ -57,7 +58,7 @@ def plan_rows(args: argparse.Namespace) -> list[dict]:
     rows = []
     for M in args.M:
         unique = round(roofline.expected_unique_experts(shape, M))
-        floor = roofline.layer_floor(shape, M, unique, common.quant_of(args.dtype))
+        floor = roofline.layer_floor(shape, M, unique, common.quant_of(args.dtype), ceilings=H200)
         key = (shape.name, args.dtype, M)
         rows.append({
             "M": M, "mode": "graph" if M <= args.graph_max_M else "eager", "peers": list(args.peers),
@@ -134,7 +135,7 @@ def run(args: argparse.Namespace, emit, *, device) -> list[dict]:
         # seeds away from the problem's own, so that each set routes its tokens to other experts
         sets = [problem] + [with_tokens(problem, M, router=args.router, seed=seed + 500 + i) for i in range(1, n_sets)]
         unique = int(torch.unique(problem.topk_ids).numel())
-        floor = roofline.layer_floor(shape, M, unique, common.quant_of(args.dtype))
+        floor = roofline.layer_floor(shape, M, unique, common.quant_of(args.dtype), ceilings=H200)
         sample = measure.sample_rows(M, args.check_rows).to(device)
         ref = reference_for(problem, sample)
         for peer in peers:

@@ -31,6 +31,7 @@ import torch
 
 from benchmarks.harness.common import quant_of
 from moekit.errors import InvalidInputError, MoekitError
+from moekit.quant import FP8
 from moekit.testing import MoEProblem
 
 PEERS = ("grouped_mm", "triton", "triton_fused", "triton_graphed", "triton_chunked", "deep_gemm",
@@ -89,7 +90,7 @@ def unpermute_and_reduce(y: torch.Tensor, perm: ExpertPermutation, topk_weights:
 
 def grouped_mm_moe(x: MoEProblem) -> torch.Tensor:
     """The whole layer with two ``torch._grouped_mm`` calls (bf16 weights only)."""
-    if x.w1.dtype == torch.float8_e4m3fn:
+    if x.w1.dtype == FP8:
         raise InvalidInputError("the grouped_mm peer runs bf16 weights only, got float8_e4m3fn")
     E, N, _ = x.w1.shape
     perm = permute_by_expert(x.topk_ids, E)

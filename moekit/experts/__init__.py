@@ -15,6 +15,7 @@ BatchedTritonExperts       Batched   no         batched GEMM masked by expert_nu
 from __future__ import annotations
 
 import importlib
+from collections.abc import Collection
 
 from moekit.experts.base import Experts
 
@@ -27,7 +28,9 @@ _CLASSES = {
     "BatchedTritonExperts": "moekit.experts.batched",
 }
 
-# Short names accepted by moekit.fused_moe(experts=...) (Standard-format experts only).
+# The one registry of short names (Standard-format experts only), wherever a name is accepted:
+# moekit.fused_moe(experts=...), moekit.integrations.transformers.register(experts=..., fp8_experts=...),
+# the benchmark harness. Each name maps to the class of _CLASSES it builds.
 BY_NAME = {
     "triton": "TritonExperts",
     "deep_gemm": "DeepGemmExperts",
@@ -44,13 +47,27 @@ def __getattr__(name):
     raise AttributeError(f"module 'moekit.experts' has no attribute {name!r}")
 
 
-def experts_class(name: str) -> type[Experts]:
-    """The Standard-format experts class for a short name ("triton", "deep_gemm", ...)."""
+def experts_class(name: str, *, among: Collection[str] | None = None, what: str = "experts") -> type[Experts]:
+    """The Standard-format experts class for a short name of :data:`BY_NAME` ("triton", "deep_gemm", ...).
+
+    Args:
+        name: the short name.
+        among: the names this caller accepts (a subset of :data:`BY_NAME`; default: all of them).
+        what: how the caller calls the argument, for the error (``"fp8_experts"``).
+
+    Raises:
+        InvalidInputError: ``name`` is not one of ``among``, e.g. ``experts must be one of
+            ['deep_gemm', 'grouped_mm', 'triton', 'triton_or_deep_gemm'], got 'cutlass'``.
+    """
     from moekit.errors import InvalidInputError
 
-    if not isinstance(name, str) or name not in BY_NAME:
-        raise InvalidInputError(f"experts must be one of {sorted(BY_NAME)}, got {name!r}")
+    names = BY_NAME if among is None else among
+    unknown = sorted(set(names) - set(BY_NAME))
+    if unknown:
+        raise InvalidInputError(f"among must hold names of moekit.experts.BY_NAME {sorted(BY_NAME)}, got {unknown}")
+    if not isinstance(name, str) or name not in names:
+        raise InvalidInputError(f"{what} must be one of {sorted(names)}, got {name!r}")
     return __getattr__(BY_NAME[name])
 
 
-__all__ = ["Experts", "experts_class", *_CLASSES]
+__all__ = ["BY_NAME", "Experts", "experts_class", *_CLASSES]

@@ -5,6 +5,9 @@ rows, then all up rows, no biases. A transformers experts module qualifies when 
 that layout and math; these checks read what ``@use_experts_implementation`` records on the
 module (``has_gate``, ``has_bias``, ``is_concatenated``, ``is_transposed``), whether its class
 overrides the gating (``_apply_gate``), and what its ``act_fn`` computes.
+
+The fp8 checks (:mod:`moekit.integrations.hf_fp8`) build on these; a whole model is checked by
+:func:`moekit.integrations.transformers.check_model`, which picks the check for each module.
 """
 
 from __future__ import annotations
@@ -12,26 +15,6 @@ from __future__ import annotations
 import torch
 
 from moekit.errors import UnsupportedModelError
-
-
-def check_model(model: torch.nn.Module) -> list[str]:
-    """Check every experts module of ``model`` now (rather than on first forward).
-
-    Returns the names of the MoE layers moekit will run; raises UnsupportedModelError naming
-    the first layer that it cannot run, and why.
-    """
-    names = [n for n, m in model.named_modules() if is_experts(m)]
-    if not names:
-        raise UnsupportedModelError(
-            f"{type(model).__name__} has no transformers experts module (a class decorated with "
-            "@use_experts_implementation); there is nothing for moekit to run"
-        )
-    from moekit.integrations.hf_fp8 import check_fp8_module, is_fp8_experts
-
-    modules = dict(model.named_modules())
-    for n in names:
-        (check_fp8_module if is_fp8_experts(modules[n]) else check_module)(modules[n], name=n)
-    return names
 
 
 def check_module(module: torch.nn.Module, *, name: str | None = None) -> None:

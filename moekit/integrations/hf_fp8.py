@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from moekit.errors import OptionalDependencyError, UnsupportedModelError
+from moekit.integrations.hf_checks import check_module, is_experts, is_silu
 from moekit.quant import FP8, FP8_GROUP
 
 BLOCK = (FP8_GROUP, FP8_GROUP)
@@ -37,8 +38,6 @@ def check_fp8_module(module: torch.nn.Module, *, name: str | None = None) -> Non
     """Raise UnsupportedModelError unless moekit computes exactly what ``module`` computes:
     gated SiLU experts, no biases, fp8 e4m3 weights with float32 128 x 128 block scales, dynamic
     1 x 128 activation scales, and H and I multiples of 128 (moekit's fp8 kernels' tiles)."""
-    from moekit.integrations.hf_checks import is_silu
-
     reasons = []
     block = tuple(module.block_size) if getattr(module, "block_size", None) is not None else None
     if block != BLOCK:
@@ -101,7 +100,6 @@ def to_fp8_experts(model: torch.nn.Module) -> torch.nn.Module:
         from transformers.integrations.moe import use_experts_implementation
     except ImportError as e:
         raise OptionalDependencyError(f"to_fp8_experts needs transformers>=5 with finegrained_fp8 ({e})") from e
-    from moekit.integrations.hf_checks import check_module, is_experts
     from moekit.quant import quantize_fp8_block
 
     fp8_class = use_experts_implementation(experts_class=FP8Experts, experts_interface=ALL_FP8_EXPERTS_FUNCTIONS,

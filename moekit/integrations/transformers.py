@@ -32,23 +32,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moekit.errors import (
-    InvalidInputError,
-    OptionalDependencyError,
-)
+from moekit.errors import InvalidInputError, OptionalDependencyError, UnsupportedModelError
 from moekit.experts.base import Experts
-from moekit.integrations.hf_checks import check_model, check_module
-from moekit.integrations.hf_fp8 import check_fp8_module, to_fp8_experts
+from moekit.integrations.hf_checks import check_module, is_experts
+from moekit.integrations.hf_fp8 import check_fp8_module, is_fp8_experts, to_fp8_experts
 
 __all__ = ["check_fp8_module", "check_model", "check_module", "register", "to_fp8_experts", "traces"]
 
 NAME = "moekit"
 INSTALL_HINT = "pip install 'moekit[hf]'"
-_EXPERTS_BY_NAME = {"triton": ("moekit.experts.triton", "TritonExperts")}
-_FP8_EXPERTS_BY_NAME = {
-    "triton": ("moekit.experts.triton", "TritonExperts"),
-    "triton_or_deep_gemm": ("moekit.experts.triton_or_deep_gemm", "TritonOrDeepGemmExperts"),
-}
+# The names of moekit.experts.BY_NAME that each kind of layer may ask for.
+_NAMES = {"experts": ("triton",), "fp8_experts": ("triton", "triton_or_deep_gemm")}
 
 
 def _hf_moe():
@@ -160,6 +154,24 @@ def register(
     return name
 
 
+def check_model(model: torch.nn.Module) -> list[str]:
+    """Check every experts module of ``model`` now (rather than on first forward).
+
+    Returns the names of the MoE layers moekit will run; raises UnsupportedModelError naming
+    the first layer that it cannot run, and why.
+    """
+    names = [n for n, m in model.named_modules() if is_experts(m)]
+    if not names:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has no transformers experts module (a class decorated with "
+            "@use_experts_implementation); there is nothing for moekit to run"
+        )
+    modules = dict(model.named_modules())
+    for n in names:
+        (check_fp8_module if is_fp8_experts(modules[n]) else check_module)(modules[n], name=n)
+    return names
+
+
 def traces(model: torch.nn.Module) -> dict:
     """``{layer name: Trace}`` of the last moekit forward of every MoE layer of ``model``.
 
@@ -175,8 +187,6 @@ def traces(model: torch.nn.Module) -> dict:
 
 # ------------------------------------------------------------------------------------------
 def _forward(settings: Settings, module, hidden_states, top_k_index, top_k_weights, *, fp8: bool = False):
-    from moekit.integrations.hf_fp8 import check_fp8_module
-
     layer = module.__dict__.get("_moekit")
     if layer is None or layer.settings is not settings or layer.device != hidden_states.device:
         check_fp8_module(module) if fp8 else check_module(module)
@@ -210,17 +220,13 @@ def _check_import_order() -> None:
 
 def _experts_factory(experts, *, fp8: bool = False) -> Callable[[], Experts]:
     if isinstance(experts, str):
-        names = _FP8_EXPERTS_BY_NAME if fp8 else _EXPERTS_BY_NAME
-        if experts not in names:
-            what = "fp8_experts" if fp8 else "experts"
-            raise InvalidInputError(f"{what} must be one of {sorted(names)}, got {experts!r}")
         import functools
-        import importlib
 
+        from moekit.experts import experts_class
         from moekit.types import QuantScheme
 
-        module, cls = names[experts]
-        factory = getattr(importlib.import_module(module), cls)
+        what = "fp8_experts" if fp8 else "experts"
+        factory = experts_class(experts, among=_NAMES[what], what=what)
         return functools.partial(factory, quant=QuantScheme.FP8_BLOCK) if fp8 else factory
     if isinstance(experts, Experts):
         return lambda: experts

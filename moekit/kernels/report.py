@@ -1,10 +1,9 @@
-"""What the compiler made of a Triton kernel: registers, spills and shared memory per variant.
+"""Transitional: the compiler report now lives in ``benchmarks/kernel_report.py`` (workshop tooling).
 
-``kernel_reports(fn)`` lists every variant of the ``@triton.jit`` function ``fn`` compiled so far
-in this process (one per set of compile-time constants and argument specializations), with the
-numbers that explain a slow tile: ``n_regs`` registers per thread (255 is the ceiling), bytes
-spilled to local memory, and the shared memory the pipeline stages take (at most 227 KiB per
-block on Hopper). Under the interpreter nothing is compiled and the list is empty.
+This copy stays only because ``moekit/kernels/fused_moe.py`` still imports it for
+``fused_moe.compile_report()``, which nothing calls any more (the GPU checks call
+``benchmarks.kernel_report.kernel_reports(fused_moe._fused_moe_kernel)``). Delete this file in
+the same change that deletes ``compile_report`` and its import from ``fused_moe.py``.
 """
 
 from __future__ import annotations

@@ -9,25 +9,16 @@ matplotlib is imported inside the functions, so ``import moekit`` does not need 
 - :mod:`moekit.viz.chunks`: tokens per (chunk, expert), weight bytes read, workspace bytes;
 - :mod:`moekit.viz.flow`: one forward's data flow, every chunk a box, from its trace;
 - :mod:`moekit.viz.rows`: chunks of expert-sorted rows: the layout strip, rows per (chunk, expert);
-- :mod:`moekit.viz.tables`: tables as text, HTML or a figure; tensor shapes at every step;
-- :mod:`moekit.viz.bench`: the recorded GPU benchmark results against anchors and floors;
-- :mod:`moekit.viz.power`: the SM clock and board power logged beside a benchmark.
+- :mod:`moekit.viz.tables`: tables as text, HTML or a figure; tensor shapes at every step.
+
+Recorded GPU benchmark results and clock logs are read and drawn outside the package, by
+``benchmarks/results_view`` (on :func:`new_axes` and :func:`axes_or_new`).
 
 The numbers behind the plots (:func:`chunk_counts`, :func:`weight_bytes_read`) are plain torch
 and are tested against the count kernel and the trace.
 """
 
-from moekit.viz._figure import new_axes
-from moekit.viz.bench import (
-    bench_results,
-    count_timing_rows,
-    latest_result,
-    load_anchors,
-    plot_bench,
-    plot_bench_grid,
-    plot_count_timings,
-    summary_rows,
-)
+from moekit.viz._figure import axes_or_new, new_axes
 from moekit.viz.chunks import (
     chunk_counts,
     expert_weight_bytes,
@@ -40,7 +31,6 @@ from moekit.viz.chunks import (
     weight_bytes_read,
 )
 from moekit.viz.flow import plot_data_flow
-from moekit.viz.power import ClockLog, LoadedSummary, load_clock_log, loaded_summary, plot_clock_log
 from moekit.viz.rows import (
     chunks_per_expert,
     expert_segments,
@@ -52,24 +42,13 @@ from moekit.viz.rows import (
 from moekit.viz.tables import Table, plot_table, shape_rows, table
 
 __all__ = [
-    "ClockLog",
-    "LoadedSummary",
     "Table",
-    "bench_results",
+    "axes_or_new",
     "chunk_counts",
     "chunks_per_expert",
-    "count_timing_rows",
     "expert_segments",
     "expert_weight_bytes",
-    "latest_result",
-    "load_anchors",
-    "load_clock_log",
-    "loaded_summary",
     "new_axes",
-    "plot_bench",
-    "plot_bench_grid",
-    "plot_clock_log",
-    "plot_count_timings",
     "plot_chunks_per_expert",
     "plot_counts_heatmap",
     "plot_counts_vs_whole",
@@ -83,7 +62,6 @@ __all__ = [
     "plot_workspace_bytes",
     "row_chunk_counts",
     "shape_rows",
-    "summary_rows",
     "table",
     "weight_bytes_read",
 ]

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from moekit.quant import FP8, FP8_GROUP
 from moekit.viz._figure import axes_or_new, colors, enumerate2d, integer_ticks, kib, plain_ticks, to_numpy
 
 
@@ -42,8 +43,9 @@ def expert_weight_bytes(N: int, K: int, *, dtype: torch.dtype = torch.bfloat16) 
     item = torch.empty((), dtype=dtype).element_size()
     elems = N * K + K * (N // 2)
     scales = 0
-    if dtype == torch.float8_e4m3fn:
-        blocks = math.ceil(N / 128) * math.ceil(K / 128) + math.ceil(K / 128) * math.ceil(N / 2 / 128)
+    if dtype == FP8:
+        g = FP8_GROUP
+        blocks = math.ceil(N / g) * math.ceil(K / g) + math.ceil(K / g) * math.ceil(N / 2 / g)
         scales = 4 * blocks
     return elems * item + scales
 

@@ -12,6 +12,7 @@ import torch
 from benchmarks.harness import chunking, common, count, layer, measure, peers, problem
 from moekit import roofline
 from moekit.errors import InvalidInputError
+from moekit.quant import FP8
 from moekit.testing import assert_close, make_problem
 
 TINY = roofline.LayerShape("tiny", E=6, topk=2, K=256, I=128)
@@ -82,7 +83,7 @@ def test_problem_and_blocked_reference(dtype):
     x = problem.build_problem(TINY, 10, dtype, seed=1, device="cpu")
     assert x.w1.shape == (6, 256, 256) and x.w2.shape == (6, 256, 128) and x.hidden.dtype == torch.bfloat16
     if dtype == "fp8":
-        assert x.w1.dtype == torch.float8_e4m3fn and x.w1_scale.shape == (6, 2, 2)
+        assert x.w1.dtype == FP8 and x.w1_scale.shape == (6, 2, 2)
     rows = torch.tensor([0, 3, 9])
     want = problem.restrict(x, rows).reference()  # fp8: on the fp8-rounded activations
     torch.testing.assert_close(problem.reference_for(x, rows), want)

@@ -17,6 +17,7 @@ from moekit.experts.batched import BatchedTritonExperts, NaiveBatchedExperts
 from moekit.prepare_finalize.batched import BatchedPrepareFinalize
 from moekit.prepare_finalize.no_ep import NoEPPrepareFinalize
 from moekit.quant import (
+    FP8,
     dequantize_fp8_block,
     dequantize_fp8_per_token_group,
     quantize_fp8_block,
@@ -92,7 +93,7 @@ def test_fp8_block(cls):
         dequantize_fp8_per_token_group(hq, hs), dequantize_fp8_block(q1, s1), dequantize_fp8_block(q2, s2),
         weights, ids,
     )
-    assert_close(out, expected, dtype=torch.float8_e4m3fn)
+    assert_close(out, expected, dtype=FP8)
 
 
 class _Recording(NaiveBatchedExperts):
@@ -163,7 +164,7 @@ def test_flags_and_workspace_shapes(cls):
     assert (shapes.workspace13, shapes.workspace2, shapes.output) == ((4, 16, 96), (4, 16, 48), (4, 16, 64))
     assert shapes.dtype == torch.bfloat16
     fp8 = cls(quant=QuantScheme.FP8_BLOCK).workspace_shapes(
-        ProblemSize(16, 96, 64, 2, 8, 4), act_dtype=torch.float8_e4m3fn
+        ProblemSize(16, 96, 64, 2, 8, 4), act_dtype=FP8
     )
     assert fp8.dtype == torch.bfloat16
 
@@ -241,4 +242,4 @@ def test_gpu_triton_matches_reference(quant):
         dequantize_fp8_per_token_group(hq, hs), dequantize_fp8_block(q1, s1), dequantize_fp8_block(q2, s2),
         weights, ids,
     )
-    assert_close(out, expected, dtype=torch.float8_e4m3fn)
+    assert_close(out, expected, dtype=FP8)

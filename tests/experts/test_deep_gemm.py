@@ -10,6 +10,7 @@ from moekit.errors import BackendUnavailableError, InvalidInputError, Quantizati
 from moekit.experts.deep_gemm import DeepGemmExperts
 from moekit.prepare_finalize.no_ep import NoEPPrepareFinalize
 from moekit.quant import (
+    FP8,
     dequantize_fp8_block,
     dequantize_fp8_per_token_group,
     quantize_fp8_block,
@@ -19,8 +20,6 @@ from moekit.reference import count_reference, moe_reference
 from moekit.routing import contiguous_expert_map, uniform_router
 from moekit.testing import assert_close, expect_raises, experts_call
 from moekit.types import ExpertPlacement, ExpertTokensMetadata, MoEWeights, ProblemSize, QuantScheme
-
-FP8 = torch.float8_e4m3fn
 
 
 def layer(M, K, N, E, topk, device, *, E_global=None, seed=0):

@@ -12,6 +12,7 @@ from moekit.experts.triton import TritonExperts
 from moekit.kernels.configs import KernelConfig
 from moekit.prepare_finalize.no_ep import NoEPPrepareFinalize
 from moekit.quant import (
+    FP8,
     dequantize_fp8_block,
     dequantize_fp8_per_token_group,
     quantize_fp8_block,
@@ -21,8 +22,6 @@ from moekit.reference import local_expert_ids, moe_reference, silu_and_mul
 from moekit.testing import assert_close, expect_raises, experts_call
 from moekit.types import ExpertPlacement, MoEWeights, ProblemSize
 from moekit.workspace import WorkspacePool
-
-FP8 = torch.float8_e4m3fn
 
 
 def make_layer(device, *, M, K=128, N=128, E=8, topk=2, dtype=torch.float32, empty_slots=True):

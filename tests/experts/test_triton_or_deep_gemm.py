@@ -10,6 +10,8 @@ from moekit.errors import MoekitError, WorkspaceShapeError
 from moekit.experts.triton_or_deep_gemm import TritonOrDeepGemmExperts
 from moekit.prepare_finalize.no_ep import NoEPPrepareFinalize
 from moekit.quant import (
+    FP8,
+    FP8_GROUP,
     dequantize_fp8_block,
     dequantize_fp8_per_token_group,
     quantize_fp8_block,
@@ -20,7 +22,6 @@ from moekit.routing import uniform_router
 from moekit.testing import expect_raises
 from moekit.types import ProblemSize, QuantScheme
 
-FP8 = torch.float8_e4m3fn
 K, N, E, TOPK = 128, 256, 4, 2
 
 
@@ -133,7 +134,7 @@ def test_one_predicate_decides_everything():
     for M, N_, K_ in [(127, 256, 128), (128, 256, 128), (4096, 384, 256), (500, 256, 192), (128, 192, 128)]:
         p = ProblemSize(M, N_, K_, 2, 8, 8)
         dg = ex.uses_deep_gemm(p)
-        assert dg == (M >= 128 and N_ % 128 == 0 and K_ % 128 == 0)
+        assert dg == (M >= 128 and N_ % FP8_GROUP == 0 and K_ % FP8_GROUP == 0)  # M: the switch
         assert deep_gemm_ish(ex.backend_for(p)) == dg
         want = (ex.deep_gemm if dg else ex.triton).workspace_shapes(p, act_dtype=FP8)
         assert ex.workspace_shapes(p, act_dtype=FP8) == want

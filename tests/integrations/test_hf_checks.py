@@ -14,7 +14,8 @@ import torch
 # moekit first: on a CPU it turns Triton's interpreter on before transformers imports Triton.
 import moekit  # noqa: F401
 from moekit.errors import UnsupportedModelError
-from moekit.integrations.hf_checks import check_model, check_module, is_experts
+from moekit.integrations.hf_checks import check_module, is_experts
+from moekit.quant import FP8
 from moekit.testing import expect_raises
 
 pytest.importorskip("transformers")
@@ -91,7 +92,7 @@ def test_an_activation_is_judged_by_what_it_computes():
 
 def test_quantized_or_misshapen_weights_are_refused():
     with expect_raises(UnsupportedModelError, match="expected unquantized 3-D float tensors"):
-        check_module(GatedSiLU(CONFIG, dtype=torch.float8_e4m3fn))
+        check_module(GatedSiLU(CONFIG, dtype=FP8))
     with expect_raises(UnsupportedModelError, match=r"gate_up_proj \(8, 63, 64\).*not \[E, 2I, H\]"):
         check_module(GatedSiLU(CONFIG, w1_shape=(E, 2 * I - 1, H)))
     with expect_raises(UnsupportedModelError, match=r"gate_up_proj \(8, 66, 64\), down_proj \(8, 64, 32\)"):
@@ -107,14 +108,3 @@ def test_every_reason_is_given_and_the_layer_is_named():
 def test_is_experts_needs_what_the_decorator_sets():
     assert is_experts(GatedSiLU(CONFIG)) and is_experts(Ungated(CONFIG))
     assert not is_experts(_Experts(CONFIG)) and not is_experts(torch.nn.Linear(4, 4))
-
-
-def test_check_model_lists_the_experts_layers_and_names_the_first_it_cannot_run():
-    layer = torch.nn.ModuleDict({"experts": GatedSiLU(CONFIG)})
-    model = torch.nn.ModuleDict({"dense": torch.nn.Linear(H, H), "a": layer, "b": GatedSiLU(CONFIG)})
-    assert check_model(model) == ["a.experts", "b"]
-    model["c"] = Interleaved(CONFIG)
-    with expect_raises(UnsupportedModelError, match=r"^c \(Interleaved\)"):
-        check_model(model)
-    with expect_raises(UnsupportedModelError, match="Linear has no transformers experts module"):
-        check_model(torch.nn.Linear(H, H))

@@ -25,11 +25,11 @@ from moekit.integrations.hf_fp8 import (  # noqa: E402
     register_fp8_reference,
     to_fp8_experts,
 )
+from moekit.quant import FP8, FP8_GROUP  # noqa: E402
 from moekit.testing import NORM_TOLERANCE, assert_close, expect_raises  # noqa: E402
 
 pytestmark = pytest.mark.hf
 DEVICE = moekit.device.get_device()
-FP8 = torch.float8_e4m3fn
 CONFIG = dict(vocab_size=128, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               num_experts_per_tok=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
               num_experts=8, moe_intermediate_size=128, head_dim=32, norm_topk_prob=True)  # fmt: skip
@@ -125,7 +125,7 @@ def _fp8_module(**overrides):
     cfg = transformers.AutoConfig.for_model("qwen3_moe", **{**CONFIG, **overrides.pop("config", {})})
     cls = use_experts_implementation(experts_class=FP8Experts, experts_interface=ALL_FP8_EXPERTS_FUNCTIONS,
                                      has_bias=False, has_gate=overrides.pop("has_gate", True))  # fmt: skip
-    m = cls(config=cfg, **{"block_size": (128, 128), "activation_scheme": "dynamic", **overrides})
+    m = cls(config=cfg, **{"block_size": (FP8_GROUP, FP8_GROUP), "activation_scheme": "dynamic", **overrides})
     for p in m.parameters():
         p.data = torch.zeros_like(p.data) if p.is_floating_point() else p.data
     return m

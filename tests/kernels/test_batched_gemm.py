@@ -9,6 +9,7 @@ import moekit
 from moekit.errors import InvalidInputError, QuantizationError
 from moekit.kernels.batched_gemm import batched_gemm
 from moekit.quant import (
+    FP8,
     dequantize_fp8_block,
     dequantize_fp8_per_token_group,
     quantize_fp8_block,
@@ -130,7 +131,7 @@ def test_rejects_bad_operands():
         batched_gemm(a, b, ok, out=torch.empty(2, 8, 15))
     with expect_raises(QuantizationError, match="not fp8"):
         batched_gemm(a, b, ok, a_scale=torch.ones(2, 8, 1))
-    aq, bq = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+    aq, bq = a.to(FP8), b.to(FP8)
     with expect_raises(QuantizationError, match="need both"):
         batched_gemm(aq, bq, ok)
     with expect_raises(QuantizationError, match="b_scale must be"):

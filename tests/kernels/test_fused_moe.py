@@ -10,6 +10,8 @@ from moekit.kernels.align import moe_align_block_size
 from moekit.kernels.configs import KernelConfig
 from moekit.kernels.fused_moe import GatedOutput, fused_moe_gemm
 from moekit.quant import (
+    FP8,
+    FP8_GROUP,
     dequantize_fp8_block,
     dequantize_fp8_per_token_group,
     quantize_fp8_block,
@@ -18,7 +20,6 @@ from moekit.quant import (
 from moekit.reference import silu_and_mul
 from moekit.testing import assert_close, expect_raises
 
-FP8 = torch.float8_e4m3fn
 CFG = KernelConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=2, num_warps=4, num_stages=2)
 
 
@@ -128,7 +129,7 @@ def test_gated_fp8_requantization(device, static):
     gated = GatedOutput(out_scale=scale, static_scale=st, static_div=div)
     fused_moe_gemm(aq, wq, q3, blocks, pairs_per_row=topk, config=cfg, a_scale=a_s, w_scale=w_s, gated=gated)
     if st is None:
-        s_ref = (y.abs().view(-1, N // 256, 128).amax(-1) / 448).clamp_min(1e-10)
+        s_ref = (y.abs().view(-1, N // 2 // FP8_GROUP, FP8_GROUP).amax(-1) / 448).clamp_min(1e-10)
         torch.testing.assert_close(scale, s_ref, rtol=1e-4, atol=0)
     else:
         s_ref = st.repeat_interleave(div).view(-1, 1).expand(M * topk, N // 256)
@@ -164,7 +165,7 @@ def test_tail_tiles_match_full_tiles(device, kind):
         cfg = KernelConfig(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, TAIL_M=tail)
         if kind == "fp8_gated":
             out = torch.empty(M, topk, width, device=device, dtype=FP8)
-            kw["gated"] = GatedOutput(out_scale=torch.empty(M * topk, width // 128, device=device))
+            kw["gated"] = GatedOutput(out_scale=torch.empty(M * topk, width // FP8_GROUP, device=device))
         else:
             out = torch.full((M, topk, width), float("nan"), device=device, dtype=dtype)
             kw["gated"] = GatedOutput() if "gated" in kind else None
@@ -207,7 +208,7 @@ def test_tma_weights_match_pointer_loads(device, kind):
         blocks = moe_align_block_size(ids, 16, E, keep_empty=True)
         if kind == "fp8_gated":
             out = torch.empty(M, topk, width, device=device, dtype=FP8)
-            kw["gated"] = GatedOutput(out_scale=torch.empty(M * topk, width // 128, device=device))
+            kw["gated"] = GatedOutput(out_scale=torch.empty(M * topk, width // FP8_GROUP, device=device))
         else:
             out = torch.empty(M, topk, width, device=device, dtype=dtype)
             kw["gated"] = GatedOutput() if "gated" in kind else None

@@ -8,6 +8,7 @@ from moekit.errors import InvalidInputError, QuantizationError
 from moekit.kernels.align import moe_align_block_size
 from moekit.kernels.configs import KernelConfig
 from moekit.kernels.gemm_args import GatedOutput, RowWindow, check_gemm_args
+from moekit.quant import FP8
 from moekit.testing import expect_raises
 
 CFG = KernelConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64)
@@ -37,11 +38,10 @@ def test_mismatches_are_named(device):
     with expect_raises(InvalidInputError, "row chunk"):
         check_gemm_args(a, w, out, blocks, 2, CFG, None, None, None, RowWindow(start=8, end=24))
     with expect_raises(QuantizationError, "both be fp8"):
-        check_gemm_args(a.to(torch.float8_e4m3fn), w, out, blocks, 2, CFG, None, None, None)
+        check_gemm_args(a.to(FP8), w, out, blocks, 2, CFG, None, None, None)
 
 
 def test_fp8_needs_its_scales(device):
     a, w, out, blocks = _args(device, K=128, N=128)
-    fp8 = torch.float8_e4m3fn
     with expect_raises(QuantizationError, "a_scale"):
-        check_gemm_args(a.to(fp8), w.to(fp8), out.bfloat16(), blocks, 2, CFG, None, None, None)
+        check_gemm_args(a.to(FP8), w.to(FP8), out.bfloat16(), blocks, 2, CFG, None, None, None)

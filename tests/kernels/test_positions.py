@@ -7,7 +7,7 @@ import torch
 from moekit.kernels.align import moe_align_block_size
 from moekit.kernels.permute import ALIGN_M
 from moekit.kernels.positions import gather_positions, scatter_positions
-from moekit.quant import quantize_fp8_per_token_group
+from moekit.quant import FP8_GROUP, quantize_fp8_per_token_group
 from moekit.routing import contiguous_expert_map
 
 
@@ -27,7 +27,7 @@ def test_gather_then_scatter_positions_moves_each_pair_once(device):
     sorted_ids = blocks.sorted_token_ids
     R = sorted_ids.numel()
     a = torch.empty(R, K, dtype=q.dtype, device=device)
-    a_scale = torch.full((K // 128, R), -1.0, device=device).t()  # column-major, as deep_gemm's
+    a_scale = torch.full((K // FP8_GROUP, R), -1.0, device=device).t()  # column-major, as deep_gemm's
     gather_positions(q, s, sorted_ids, numel=M * topk, topk=topk, out=a, out_scale=a_scale)
     pair = sorted_ids.long().cpu()
     live = pair < M * topk

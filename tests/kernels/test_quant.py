@@ -3,7 +3,7 @@ import torch
 
 from moekit.errors import QuantizationError
 from moekit.kernels.quant import quantize_fp8_group
-from moekit.quant import dequantize_fp8_per_token_group, quantize_fp8_per_token_group
+from moekit.quant import FP8, dequantize_fp8_per_token_group, quantize_fp8_per_token_group
 
 
 @pytest.mark.interpreter
@@ -21,7 +21,7 @@ def test_empty_and_bad_input():
     q, s = quantize_fp8_group(torch.randn(0, 256))
     assert q.shape == (0, 256) and s.shape == (0, 2)
     with pytest.raises(QuantizationError):
-        quantize_fp8_group(torch.randn(4, 128).to(torch.float8_e4m3fn))
+        quantize_fp8_group(torch.randn(4, 128).to(FP8))
     with pytest.raises(QuantizationError):
         quantize_fp8_group(torch.randn(4, 2, 128))
 

@@ -7,7 +7,7 @@ import torch
 
 from moekit.prepare_finalize import All2AllPrepareFinalize, BatchedPrepareFinalize, NoEPPrepareFinalize
 from moekit.prepare_finalize.base import PrepareFinalize, quantize_activations, weight_and_reduce
-from moekit.quant import FP8, quantize_fp8_per_token_group
+from moekit.quant import FP8, FP8_GROUP, quantize_fp8_per_token_group
 from moekit.testing import assert_close
 from moekit.types import ActivationFormat, QuantScheme
 
@@ -24,7 +24,7 @@ def test_fp8_block_activations_match_the_torch_spec(device, M, K):
     x = (torch.randn(M, K) * torch.logspace(-2, 1, K)).to(torch.bfloat16).to(device)
     a1q, scale = quantize_activations(x, QuantScheme.FP8_BLOCK)
     assert a1q.dtype == FP8 and a1q.shape == (M, K)
-    assert scale.dtype == torch.float32 and scale.shape == (M, K // 128)
+    assert scale.dtype == torch.float32 and scale.shape == (M, K // FP8_GROUP)
     q_ref, s_ref = quantize_fp8_per_token_group(x)
     torch.testing.assert_close(scale, s_ref, rtol=1e-6, atol=0)
     assert torch.equal(a1q.float(), q_ref.float())

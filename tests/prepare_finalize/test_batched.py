@@ -9,7 +9,7 @@ import moekit
 from moekit.errors import CapacityError, InvalidInputError
 from moekit.experts.batched import NaiveBatchedExperts
 from moekit.prepare_finalize.batched import BatchedPrepareFinalize
-from moekit.quant import quantize_fp8_per_token_group
+from moekit.quant import FP8, quantize_fp8_per_token_group
 from moekit.reference import count_reference, local_expert_ids
 from moekit.testing import assert_close, expect_raises
 from moekit.types import ActivationFormat, ExpertPlacement, QuantScheme
@@ -66,7 +66,7 @@ def test_prepare_quantizes_fp8_per_group():
     p = BatchedPrepareFinalize(max_tokens=M).prepare(
         hidden, weights, ids, quant=QuantScheme.FP8_BLOCK, placement=ExpertPlacement(E, E)
     )
-    assert p.a1q.dtype == torch.float8_e4m3fn and p.a1q_scale.shape == (E, M, 2)
+    assert p.a1q.dtype == FP8 and p.a1q_scale.shape == (E, M, 2)
     q, s = quantize_fp8_per_token_group(hidden)
     for e, tokens in enumerate(_slabs_by_loop(hidden, ids, E, None)):
         n = len(tokens)

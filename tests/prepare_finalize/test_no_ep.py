@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moekit.prepare_finalize.no_ep import NoEPPrepareFinalize
-from moekit.quant import dequantize_fp8_per_token_group, quantize_fp8_per_token_group
+from moekit.quant import FP8, FP8_GROUP, dequantize_fp8_per_token_group, quantize_fp8_per_token_group
 from moekit.reference import count_reference
 from moekit.testing import assert_close
 from moekit.types import ActivationFormat, ExpertPlacement, QuantScheme
@@ -38,11 +38,11 @@ def test_fp8_block_quantizes_activations_per_group(dtype, K):
     p = NoEPPrepareFinalize().prepare(
         hidden, weights, ids, quant=QuantScheme.FP8_BLOCK, placement=ExpertPlacement(4, 4)
     )
-    assert p.a1q.dtype == torch.float8_e4m3fn and p.a1q.shape == (6, K)
-    assert p.a1q_scale.dtype == torch.float32 and p.a1q_scale.shape == (6, (K + 127) // 128)
+    assert p.a1q.dtype == FP8 and p.a1q.shape == (6, K)
+    assert p.a1q_scale.dtype == torch.float32 and p.a1q_scale.shape == (6, -(-K // FP8_GROUP))
     q, s = quantize_fp8_per_token_group(hidden)
     assert torch.equal(p.a1q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(p.a1q_scale, s)
-    assert_close(dequantize_fp8_per_token_group(p.a1q, p.a1q_scale), hidden, dtype=torch.float8_e4m3fn)
+    assert_close(dequantize_fp8_per_token_group(p.a1q, p.a1q_scale), hidden, dtype=FP8)
 
 
 @pytest.mark.interpreter

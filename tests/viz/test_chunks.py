@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from moekit import reference, routing, viz
+from moekit.quant import FP8
 
 pytest.importorskip("matplotlib")
 
@@ -54,7 +55,7 @@ def test_weight_bytes():
     assert viz.weight_bytes_read(counts, 10) == 30  # three (chunk, expert) pairs touched
     assert viz.expert_weight_bytes(256, 128, dtype=torch.bfloat16) == (256 * 128 + 128 * 128) * 2
     # fp8: one byte per element plus fp32 scales, 2 blocks for w1 [256, 128] and 1 for w2 [128, 128]
-    assert viz.expert_weight_bytes(256, 128, dtype=torch.float8_e4m3fn) == 256 * 128 + 128 * 128 + 4 * 3
+    assert viz.expert_weight_bytes(256, 128, dtype=FP8) == 256 * 128 + 128 * 128 + 4 * 3
 
 
 def test_every_plot_draws():

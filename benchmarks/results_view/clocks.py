@@ -17,7 +17,7 @@ from datetime import datetime
 from pathlib import Path
 
 from moekit.errors import InvalidInputError
-from moekit.viz._figure import axes_or_new
+from moekit.viz import axes_or_new
 
 _TIME_FORMAT = "%Y/%m/%d %H:%M:%S.%f"  # nvidia-smi's timestamp column
 

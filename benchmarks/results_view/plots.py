@@ -1,89 +1,27 @@
-"""Recorded benchmark results (``benchmarks/results/*.json``): load them, tabulate, plot.
-
-The files are written by ``python -m benchmarks.harness`` in a checkout: each holds
-``{"name", "environment", "rows", ...}``. Three kinds are drawn:
+"""Recorded benchmark results drawn: one plot per kind of record, and a grid of them all.
 
 - ``layer-*``: time per call against M for each peer, with the floor and the H200 anchors;
 - ``chunking-*``: time per call for each chunk plan (token chunks C, sorted-row chunks R), relative
   to no chunking;
-- ``count*``: the count kernel's methods on the largest case, with the recorded anchors.
+- ``count*``: the count kernel's methods on the largest case, with the recorded anchors;
+- ``ep-*``: the all-to-all's dispatch and combine against tokens per rank.
+
+Records come from :func:`benchmarks.results_view.records.bench_results`. Every ``plot_*`` draws on
+``ax`` when given one, else on a new figure, and returns the figure (moekit.viz's convention).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from pathlib import Path
 
-from moekit.viz._figure import axes_or_new, new_axes
-
-KINDS = ("layer", "chunking", "count", "ep")
-
-
-def default_results_dir() -> Path:
-    """``benchmarks/results`` of this checkout (or under the cwd when installed elsewhere)."""
-    checkout = Path(__file__).resolve().parents[2]
-    if (checkout / "benchmarks").is_dir():
-        return checkout / "benchmarks" / "results"
-    return Path("benchmarks") / "results"
-
-
-def bench_results(directory: str | Path | None = None) -> list[dict]:
-    """Every ``*.json`` record under ``directory``, sorted by name then date.
-
-    Each record gets ``path``, and ``name``/``environment``/``rows`` even when its writer used
-    another layout (the EP all-to-all bench writes ``device`` and ``timing``): the name then
-    comes from the file name. A file holding anything but a JSON object raises ValueError
-    naming it, so a broken result cannot silently drop out of the plots.
-    """
-    folder = Path(directory) if directory is not None else default_results_dir()
-    records = []
-    for path in sorted(folder.glob("*.json")):
-        record = json.loads(path.read_text())
-        if not isinstance(record, dict):
-            raise ValueError(f"{path} is not a benchmark record (expected a JSON object)")
-        records.append(_normalized(record, path))
-    return sorted(records, key=lambda r: (r["name"], r["environment"].get("date", "")))
-
-
-def latest_result(name: str, directory: str | Path | None = None) -> dict | None:
-    """The newest record whose name is ``name`` (by the date in its file name), or None."""
-    matching = [r for r in bench_results(directory) if r["name"] == name]
-    dated = lambda r: r["environment"].get("date", "")[:4].isdigit()  # an undated record ("?") is never newer
-    return max(matching, key=lambda r: (dated(r), r["environment"].get("date", ""), r["path"])) if matching else None
-
-
-def load_anchors(path: str | Path) -> dict:
-    """``benchmarks/anchors.json``: ``{(shape, dtype, M): {peer: us}}`` and the recorded floors
-    ``{(shape, dtype, M): us}``, as ``{"anchors": ..., "floors": ...}``."""
-    data = json.loads(Path(path).read_text())
-    key = lambda e: (e["shape"], e["dtype"], e["M"])
-    anchors = {key(e): e["values"] for e in data["anchors"]}
-    return {"anchors": anchors, "floors": {key(e): e["us"] for e in data["floors"]}}
-
-
-def count_timing_rows(record: dict) -> list[dict]:
-    """One row per (case, method) of a count record: eager and CUDA-graph medians, rounded."""
-    rows = []
-    for r in _ok(record["rows"]):
-        graph = r.get("graph_us")
-        rows.append(
-            {
-                "ids": f"{r['M']}x{r['topk']}",
-                "E": r["E"],
-                "ep": r.get("ep", 1),
-                "method": r["method"],
-                "eager us": round(r["us"], 1),
-                "graph us": None if graph is None else round(graph, 1),
-            }
-        )
-    return rows
+from benchmarks.results_view.records import kind, ok_rows
+from moekit.viz import axes_or_new, new_axes
 
 
 def plot_count_timings(record: dict):
     """Eager (left) and CUDA-graph (right) medians per case, one bar per method (log scale)."""
     fig, axes = new_axes(2, width=6.4)
-    rows = _ok(record["rows"])
+    rows = ok_rows(record["rows"])
     case = lambda r: (r["M"], r["topk"], r["E"], r.get("ep", 1))
     cases = sorted({case(r) for r in rows})
     methods = list(dict.fromkeys(r["method"] for r in rows))
@@ -99,42 +37,6 @@ def plot_count_timings(record: dict):
     return fig
 
 
-def _normalized(record: dict, path: Path) -> dict:
-    stem = path.stem
-    date = stem[-10:] if len(stem) > 10 and stem[-10:-6].isdigit() else "?"
-    record.setdefault("name", stem)
-    record.setdefault("environment", {"gpu": record.get("device", "?"), "date": date})
-    rows = record.get("rows")
-    if not isinstance(rows, list):
-        rows = record.get("timing") if isinstance(record.get("timing"), list) else []
-    record["rows"], record["path"] = rows, str(path)
-    return record
-
-
-def kind(record: dict) -> str:
-    """``"layer"``, ``"chunking"``, ``"count"``, ``"ep"`` or ``"other"``, from the record's name."""
-    return next((k for k in KINDS if record["name"].startswith(k)), "other")
-
-
-def summary_rows(records: Sequence[dict]) -> list[dict]:
-    """One row per record: name, GPU, date, how many rows, and how many of them are ok."""
-    return [
-        {
-            "name": r["name"],
-            "gpu": r.get("environment", {}).get("gpu", "?"),
-            "date": r.get("environment", {}).get("date", "?"),
-            "rows": len(r["rows"]),
-            "ok": sum(row.get("status", "ok") == "ok" for row in r["rows"]),
-            "file": Path(r.get("path", "")).name,
-        }
-        for r in records
-    ]
-
-
-def _ok(rows):
-    return [r for r in rows if r.get("status", "ok") == "ok" and r.get("us")]
-
-
 def _title(record: dict) -> str:
     env = record.get("environment", {})
     return f"{record['name']}\n{env.get('gpu', '?')}, {env.get('date', '?')}"
@@ -145,7 +47,7 @@ def plot_layer(record: dict, *, ax=None):
     fig, ax = axes_or_new(ax, width=5.6)
     rows = record["rows"]
     for peer in dict.fromkeys(r["peer"] for r in rows if "peer" in r):
-        pts = sorted((r["M"], r["us"]) for r in _ok(rows) if r.get("peer") == peer)
+        pts = sorted((r["M"], r["us"]) for r in ok_rows(rows) if r.get("peer") == peer)
         if pts:
             ax.plot(*zip(*pts, strict=True), marker="o", ms=4, label=peer)
     floors = sorted({(r["M"], r["floor_us"]) for r in rows if r.get("floor_us")})
@@ -166,7 +68,7 @@ def plot_chunking(record: dict, *, ax=None):
     of R sorted rows (orange), eager bars labelled by their ratio to one chunk, CUDA-graph times as
     dots where recorded, and the floor."""
     fig, ax = axes_or_new(ax, width=6.4)
-    rows = _ok(record["rows"])
+    rows = ok_rows(record["rows"])
     by_rows = [r.get("chunk_by") == "rows" for r in rows]
     labels = [
         "none" if r.get("C") is None else f"{'R' if b else 'C'}={r['C']}" for r, b in zip(rows, by_rows, strict=True)
@@ -193,7 +95,7 @@ def plot_chunking(record: dict, *, ax=None):
 def plot_count(record: dict, *, ax=None):
     """The count methods on the largest recorded case, beside the numeric anchors."""
     fig, ax = axes_or_new(ax, width=5.6)
-    rows = _ok(record["rows"])
+    rows = ok_rows(record["rows"])
     if rows:
         big = max(rows, key=lambda r: (r.get("M", 0), r.get("E", 0)))
         case = [r for r in rows if all(r.get(k) == big.get(k) for k in ("M", "topk", "E"))]

@@ -1,11 +1,11 @@
-"""The nvidia-smi clock log: parsing, the loaded-sample summary, the plot, and bad files."""
+"""benchmarks/results_view/clocks.py: an nvidia-smi log parsed, its loaded-sample summary, its plot, bad files."""
 
 import random
 
 import pytest
 
+from benchmarks.results_view.clocks import load_clock_log, loaded_summary, plot_clock_log
 from moekit.errors import InvalidInputError
-from moekit.viz import load_clock_log, loaded_summary
 
 HEADER = "timestamp, clocks.current.sm [MHz], power.draw [W], temperature.gpu\n"
 
@@ -37,7 +37,6 @@ def test_parse_and_summary_match_the_rows(tmp_path):
 
 def test_plot_returns_a_figure(tmp_path):
     pytest.importorskip("matplotlib")
-    from moekit.viz import plot_clock_log
 
     fig = plot_clock_log(load_clock_log(_write(tmp_path, [(1980, 90.0), (1500, 690.0), (1530, 688.0)])))
     assert len(fig.axes) == 2  # clock and, on a twin axis, power

@@ -1,4 +1,4 @@
-"""The compiler report: every compiled variant of a kernel, with its constants by name."""
+"""benchmarks/kernel_report.py: every compiled variant of a kernel, with its constants by name."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import moekit
-from moekit.kernels.report import KernelReport, kernel_reports
+from benchmarks.kernel_report import KernelReport, kernel_reports
 
 
 class _FakeCompiled:
@@ -45,12 +45,13 @@ def test_nothing_compiled_means_an_empty_report():
 def test_grouped_gemm_report_on_a_gpu():
     from moekit.kernels.align import moe_align_block_size
     from moekit.kernels.configs import KernelConfig
-    from moekit.kernels.fused_moe import compile_report, fused_moe_gemm
+    from moekit.kernels.fused_moe import _fused_moe_kernel, fused_moe_gemm
 
     ids = torch.randint(0, 4, (64, 2), device="cuda")
     a, w = torch.randn(64, 128, device="cuda").bfloat16(), torch.randn(4, 256, 128, device="cuda").bfloat16()
     out = torch.empty(64, 2, 256, device="cuda", dtype=torch.bfloat16)
     cfg = KernelConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, TAIL_M=32)
     fused_moe_gemm(a, w, out, moe_align_block_size(ids, 64, 4), pairs_per_row=2, config=cfg)
-    mine = [r for r in compile_report() if r.constants.get("BLOCK_M") == 64 and r.constants.get("TAIL_M") == 32]
+    reports = kernel_reports(_fused_moe_kernel)
+    mine = [r for r in reports if r.constants.get("BLOCK_M") == 64 and r.constants.get("TAIL_M") == 32]
     assert mine and all(r.n_regs > 0 and r.shared_bytes > 0 for r in mine)

@@ -1,0 +1,1 @@
+"""Maintenance scripts of the checkout (not part of the package): ``python -m tools.<name>``."""
