@@ -20,7 +20,7 @@ address instructions); the gathered activation rows always use per-thread async 
 padding rows of a block load nothing (masked), and with ``KernelConfig.TAIL_M`` a block holding
 at most ``TAIL_M`` real rows (an expert's last) runs a ``TAIL_M``-row tile. Side by side with
 vLLM's kernel on an H200: ``benchmarks/gpu_gemm_vs_vllm.py``; registers, spills and shared
-memory of the compiled variants: :func:`compile_report`.
+memory of the compiled variants: ``benchmarks.kernel_report.kernel_reports(_fused_moe_kernel)``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ from moekit.kernels.configs import KernelConfig
 from moekit.kernels.gemm_args import GatedOutput, RowWindow, check_gemm_args
 from moekit.kernels.host_math import cdiv
 from moekit.kernels.launch import LeanLauncher
-from moekit.kernels.report import KernelReport, kernel_reports
 from moekit.quant import FP8, FP8_GROUP, FP8_MAX, TINY_SCALE
 
 
@@ -396,9 +395,3 @@ def launch_gemm(
 
     _GEMM((num_blocks * cdiv(width, config.BLOCK_N),), args, key=key, constexprs=constexprs, stream=stream)
     return out
-
-
-def compile_report() -> list[KernelReport]:
-    """Registers, spills and shared memory of every grouped-GEMM variant compiled so far
-    (:func:`moekit.kernels.report.kernel_reports`); empty under the interpreter."""
-    return kernel_reports(_fused_moe_kernel)
