@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 
 from moekit.chunking import ChunkRange, chunk_ranges, slice_rows, slice_scales, validate_chunk_size
-from moekit.errors import FormatMismatchError, InvalidInputError, QuantizationError, WorkspaceShapeError
+from moekit.errors import FormatMismatchError, InvalidInputError, MoekitError, QuantizationError, WorkspaceShapeError
 from moekit.experts.base import Experts
 from moekit.policies import (
     METADATA_POLICIES,
@@ -163,8 +163,13 @@ class ModularKernel:
                 before anything is written, whatever M is).
             WorkspaceShapeError: an experts class declared buffers that do not fit a chunk.
         """
-        weights, placement, problem = self._check(hidden, w1, w2, topk_weights, topk_ids, expert_map,
-                                                  global_num_experts, w1_scale, w2_scale, a2_scale)  # fmt: skip
+        try:
+            weights, placement, problem = self._check(hidden, w1, w2, topk_weights, topk_ids, expert_map,
+                                                      global_num_experts, w1_scale, w2_scale, a2_scale)  # fmt: skip
+        except MoekitError as err:  # issue 25 (EP door): a collective stage tells its peers, so they raise too
+            if self.prepare_finalize.collective:
+                self.prepare_finalize.refuse(err)
+            raise
         M, K = hidden.shape
         trace = Trace(M, self.chunk_size, self.experts.name, self.workspace_policy, self.metadata_policy,
                       chunk_by=self.chunk_by)  # fmt: skip
