@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moekit.errors import CapacityError, DistributedError, InvalidIdsError, InvalidInputError, MoekitError
+from moekit.errors import CapacityError, DistributedError, InvalidIdsError, InvalidInputError
 from moekit.prepare_finalize import capacity
 from moekit.prepare_finalize.agreement import WIRE_IDS, Agreement, Dispatch, refusal_code, wait
 from moekit.prepare_finalize.base import PrepareFinalize, quantize_activations, weight_and_reduce
@@ -165,7 +165,7 @@ class All2AllPrepareFinalize(PrepareFinalize):
                 self._refuse_capacity(refusal_code(error), self._agreed[0], device)
             else:
                 self._configured().refuse(error, device)
-        except MoekitError as e:
+        except Exception as e:  # the door's error must reach the caller, not this one
             error.add_note(f"moekit could not tell the other ranks (they raise after their timeout_s): {e}")
 
     # ----------------------------------------------------------------------------------------

@@ -340,3 +340,33 @@ def test_ranks_may_pass_ids_of_different_dtypes():
     # and int16 ids failed every forward.
     results = launch(mixed_id_dtypes, 3, backend="gloo", timeout_s=TIMEOUT)
     assert results == [["exact: True", "capacity: True"]] * 3, results
+
+
+def test_refuse_never_hides_the_doors_error(monkeypatch):
+    """A failure to tell the peers becomes a note on the door's error; refuse itself never raises."""
+    import socket
+
+    import torch.distributed as dist
+
+    from moekit.prepare_finalize.agreement import Agreement
+
+    pf = All2AllPrepareFinalize(timeout_s=5)
+    door = InvalidIdsError("bad ids")
+    pf.refuse(door)  # no process group: nothing to tell
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    dist.init_process_group("gloo", rank=0, world_size=1, store=store)
+    try:
+        pf.refuse(door)  # one rank: the header exchange goes through
+
+        def broken(self, error, device):
+            raise DistributedError("all_gather of the agreement header timed out")
+
+        monkeypatch.setattr(Agreement, "refuse", broken)
+        pf.refuse(door)
+    finally:
+        dist.destroy_process_group()
+    assert door.__notes__ == ["moekit could not tell the other ranks (they raise after their timeout_s): "
+                              "all_gather of the agreement header timed out"], door.__notes__  # fmt: skip
