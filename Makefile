@@ -11,7 +11,7 @@ EXTRAS ?= notebooks,dev,hf
 STAMP := $(VENV)/.moekit-installed
 ARGS ?=
 
-.PHONY: venv test test-fast lint walkthrough lab bench info clean strip
+.PHONY: venv test test-fast test-lowest lint walkthrough lab bench info clean strip
 
 venv: $(STAMP)
 
@@ -36,6 +36,28 @@ test: venv lint
 
 test-fast: venv
 	$(PY) -m pytest -q -m "not notebooks and not browser and not slow" $(ARGS)
+
+# The lowest supported triton (and TORCH_LOWEST) with the newest numpy they admit, in a venv of
+# its own (requirements/pins-lowest.txt says why numpy stops at 2.3 there): the interpreter tests.
+LOWEST_VENV ?= build/venv-lowest
+TORCH_LOWEST ?= torch==2.13.0
+# The kernels, experts and chunk loop on the CPU (what the triton/numpy pair can break); the
+# distributed, notebook and optional-extra tests stay with `make test`.
+LOWEST_TESTS ?= tests/kernels tests/experts tests/test_modular_kernel.py tests/test_row_plan.py tests/test_api.py \
+	tests/test_reference.py tests/test_properties.py tests/prepare_finalize/test_no_ep.py \
+	tests/prepare_finalize/test_batched.py tests/prepare_finalize/test_base.py
+LOWEST_MARKERS ?= not slow and not notebooks and not browser and not hf and not gpu and not distributed
+LOWEST_STAMP := $(LOWEST_VENV)/.moekit-installed
+
+$(LOWEST_STAMP): pyproject.toml requirements/pins-lowest.txt Makefile
+	@test -x $(LOWEST_VENV)/bin/python || $(PYTHON) -m venv $(LOWEST_VENV)
+	$(LOWEST_VENV)/bin/python -m pip install -q "$(TORCH_LOWEST)" -r requirements/pins-lowest.txt
+	$(LOWEST_VENV)/bin/python -m pip install -q -c requirements/pins-lowest.txt --no-deps -e .
+	$(LOWEST_VENV)/bin/python -c "import torch, triton, numpy; print('lowest:', torch.__version__, triton.__version__, numpy.__version__)"
+	@touch $(LOWEST_STAMP)
+
+test-lowest: $(LOWEST_STAMP)
+	$(LOWEST_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "$(LOWEST_MARKERS)" $(LOWEST_TESTS) $(ARGS)
 
 walkthrough: venv
 	$(PY) -m moekit.cli walkthrough $(ARGS)

@@ -6,11 +6,16 @@ One host, no torchrun (tests, notebooks, a laptop)::
     results = launch(moekit.ep.run_rank, world_size=2, args=(config,))   # one result per rank
 
 ``launch`` spawns ``world_size`` processes, joins them through a TCP store that listens on a
-free loopback port only (127.0.0.1, never every interface: nobody else on the network can reach
-the rendezvous), calls ``fn(rank, world_size, *args)`` in each, and returns their return values
-in rank order (tensors come back on the CPU). When a rank fails, the others get a short grace
-to report, then are stopped, and the caller sees the first failure's traceback. ``fn`` must be importable (defined in a
-module, not in a notebook cell), because spawned processes find it by name.
+free loopback port only (127.0.0.1, never every interface), calls ``fn(rank, world_size, *args)``
+in each, and returns their return values in rank order (tensors come back on the CPU). With
+gloo, the ranks' own data listeners are bound to the loopback interface too
+(``GLOO_SOCKET_IFNAME=lo`` in the children), not to the address the hostname resolves to (a LAN
+address on most hosts), so no socket that ``launch`` opens is reachable from the network; a test
+checks every listener of a launch whose hostname resolves elsewhere. With NCCL, NCCL's own
+bootstrap picks its interface (``NCCL_SOCKET_IFNAME``); that is not covered. When a rank fails
+(raises, or exits without reporting a result, with any exit code), the others get a short grace
+to report, then are stopped, and the caller sees the first failure's traceback. ``fn`` must be
+importable (defined in a module, not in a notebook cell), because spawned processes find it by name.
 
 Several hosts (or one host with torchrun), e.g. 2 nodes with 8 GPUs each; run on every node,
 with ``--node-rank 0`` on ``host0`` and ``--node-rank 1`` on the other::
@@ -92,18 +97,42 @@ def _init(backend: str, rank: int, world_size: int, timeout_s: float, **kwargs) 
     )
 
 
+def torchrun_env() -> tuple[int, int] | None:
+    """``(RANK, WORLD_SIZE)`` from the environment, as torchrun sets them; None when neither is set.
+
+    Raises:
+        InvalidInputError: only one of the two is set, or they are not ints with 0 <= RANK < WORLD_SIZE.
+    """
+    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    if rank is None and world is None:
+        return None
+    if rank is None or world is None:
+        given, missing = ("RANK", "WORLD_SIZE") if world is None else ("WORLD_SIZE", "RANK")
+        raise InvalidInputError(f"{given} is set but {missing} is not; torchrun sets both (unset {given} to run "
+                                "one process, or pass --world-size to spawn the ranks)")  # fmt: skip
+    try:
+        r, w = int(rank), int(world)
+    except ValueError:
+        raise InvalidInputError(f"RANK and WORLD_SIZE must be ints, got RANK={rank!r}, WORLD_SIZE={world!r}") from None
+    if not (w > 0 and 0 <= r < w):
+        raise InvalidInputError(f"need WORLD_SIZE > 0 and 0 <= RANK < WORLD_SIZE, got RANK={r}, WORLD_SIZE={w}")
+    return r, w
+
+
 def init_from_env(*, backend: str | None = None, timeout_s: float = 300.0) -> tuple[int, int]:
     """Join the process group that torchrun (or a launcher like it) describes; return (rank, world_size).
 
     Reads ``RANK`` and ``WORLD_SIZE`` (and ``MASTER_ADDR``/``MASTER_PORT`` through torch's
     ``env://`` rendezvous); the GPU is ``LOCAL_RANK``. Without those variables it returns
     ``(0, 1)`` and starts no group, so the same script runs as one process. Safe to call twice.
+    Malformed variables raise InvalidInputError (see :func:`torchrun_env`).
     """
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+    found = torchrun_env()
+    if found is None:
         return 0, 1
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank, world_size = found
     if backend is None:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         backend = default_backend(local)
@@ -212,6 +241,8 @@ def launch(
     results = ctx.Queue()
     store = _loopback_store(timeout_s)
     env = dict(_NCCL_SAFETY_ENV) if backend == "nccl" else {}
+    if backend == "gloo":
+        env["GLOO_SOCKET_IFNAME"] = _loopback_interface()  # else gloo binds what the hostname resolves to
     if backend == "gloo" and torch.cuda.is_available():
         env["MOEKIT_DEVICE"] = "cpu"
     saved = {k: os.environ.get(k) for k in env}
@@ -235,6 +266,15 @@ def launch(
                 p.kill()
             p.join(timeout=5)
         del store
+
+
+def _loopback_interface() -> str:
+    """The name of the loopback interface (``lo`` on Linux, ``lo0`` on macOS), for GLOO_SOCKET_IFNAME."""
+    names = [name for _, name in socket.if_nameindex()]
+    for name in ("lo", "lo0"):
+        if name in names:
+            return name
+    raise DistributedError(f"found no loopback interface (lo or lo0) among {names}; gloo would listen beyond it")
 
 
 def _loopback_store(timeout_s: float) -> dist.TCPStore:
@@ -268,10 +308,10 @@ def _collect(procs, results, world_size: int, timeout_s: float) -> list[Any]:
             now = time.monotonic()
             reported = set(done) | {r for r, _ in failures}
             for r, p in enumerate(procs):
-                if r not in reported and p.exitcode not in (None, 0):
-                    # a report put just before dying may still be in flight: give it a second
+                if r not in reported and p.exitcode is not None:  # exit code 0 too (os._exit(0) in fn)
+                    # a report put just before exiting may still be in flight: give it a second
                     if now - dead_since.setdefault(r, now) > 1.0:
-                        failures.append((r, f"rank {r} exited with code {p.exitcode} without reporting"))
+                        failures.append((r, f"rank {r} exited with code {p.exitcode} without reporting a result"))
                         deadline = min(deadline, now + _GRACE_S)
             continue
         if ok:
@@ -294,19 +334,42 @@ def _collect(procs, results, world_size: int, timeout_s: float) -> list[Any]:
     return [done[r] for r in range(world_size)]
 
 
-def gather_traces(trace, *, group=None) -> list[torch.Tensor]:
+def gather_objects(obj: Any, *, group=None, timeout_s: float | None = None) -> list[Any]:
+    """Every rank's ``obj`` (picklable), on every rank, in rank order: ``all_gather_object`` with a timeout.
+
+    Two exchanges (the sizes, then the padded bytes), each waiting at most ``timeout_s`` seconds
+    (None: the group's own timeout), then DistributedError. A collective: every rank must call it.
+    """
+    from moekit.prepare_finalize.agreement import wait
+
+    on_gpu = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    world = dist.get_world_size(group)
+    data = torch.frombuffer(bytearray(pickle.dumps(to_cpu(obj))), dtype=torch.uint8).to(device)
+
+    def gather(t: torch.Tensor, what: str) -> list[torch.Tensor]:
+        out = [torch.empty_like(t) for _ in range(world)]
+        work = dist.all_gather(out, t, group=group, async_op=True)
+        wait(work, timeout_s=timeout_s, what=f"all_gather of {what}", group=group)
+        return out
+
+    sizes = [int(n) for n in gather(torch.tensor([data.numel()], dtype=torch.int64, device=device), "object sizes")]
+    padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
+    padded[: data.numel()] = data
+    return [pickle.loads(t[:n].cpu().numpy().tobytes()) for t, n in zip(gather(padded, "objects"), sizes, strict=True)]
+
+
+def gather_traces(trace, *, group=None, timeout_s: float | None = None) -> list[torch.Tensor]:
     """Every rank's per-chunk tokens-per-expert matrix, gathered to every rank.
 
     Args:
         trace: this rank's :class:`moekit.trace.Trace` (``ModularKernel.last_trace``).
         group: the process group (default: the world).
+        timeout_s: the longest wait of each exchange (None: the group's own timeout).
 
     Returns:
         ``[counts of rank 0, counts of rank 1, ...]``, each int64 ``[num_chunks, E_local]`` on the
         CPU (``num_chunks`` differs between ranks: it follows the rows each rank received). A
         collective: every rank must call it.
     """
-    mine = trace.counts_matrix()
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, mine, group=group)
-    return gathered
+    return gather_objects(trace.counts_matrix(), group=group, timeout_s=timeout_s)

@@ -20,7 +20,6 @@ notebooks and tests can hand it to :func:`moekit.distributed.launch`.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from dataclasses import dataclass, field
 
@@ -58,6 +57,7 @@ class EPConfig:
     seed: int = 0
     dispatch: str = "exact"  # All2AllPrepareFinalize's mode; "capacity" sizes its blocks by max(Ms)
     chunk_by: str = "tokens"
+    timeout_s: float | None = None  # every exchange's longest wait (None: the group's timeout)
 
 
 @dataclass
@@ -90,8 +90,9 @@ def run_rank(rank: int, world_size: int, config: EPConfig, *, gather: bool = Tru
     """Run ``config`` on this rank (the process group must be up); see the module docstring.
 
     A moekit error raised by the forward (for example StaleMetadataError under
-    ``metadata_policy="whole_batch"``) is caught and reported in ``RankResult.error``. Only do
-    that when every rank fails the same way, or the others wait in the combine.
+    ``metadata_policy="whole_batch"``, or a named error that every rank raises when one rank's
+    inputs are bad) is caught and reported in ``RankResult.error``; the counts are then those of
+    the chunks that ran (none when the forward failed at its door).
     """
     from moekit.distributed import gather_traces
     from moekit.experts import experts_class
@@ -106,17 +107,17 @@ def run_rank(rank: int, world_size: int, config: EPConfig, *, gather: bool = Tru
     local = p.shard(rank, world_size)
     cap = max(max(config.Ms), 1)
     capacity = dict(mode="capacity", max_tokens_per_rank=cap) if config.dispatch == "capacity" else {}
-    kernel = ModularKernel(
-        All2AllPrepareFinalize(**capacity),
-        experts_class(config.experts)(quant=config.quant),
-        chunk_size=config.chunk_size,
-        chunk_by=config.chunk_by,
-        metadata_policy=config.metadata_policy,
-    )
     mine = slice(start, end)
     scales = {k: v.to(device) for k, v in (("w1_scale", local.w1_scale), ("w2_scale", local.w2_scale)) if v is not None}
-    error, out = None, None
-    try:
+    error, out, kernel = None, None, None
+    try:  # a bad configuration fails alike on every rank, before any exchange
+        kernel = ModularKernel(
+            All2AllPrepareFinalize(timeout_s=config.timeout_s, **capacity),
+            experts_class(config.experts)(quant=config.quant),
+            chunk_size=config.chunk_size,
+            chunk_by=config.chunk_by,
+            metadata_policy=config.metadata_policy,
+        )
         out = kernel(
             p.hidden[mine].to(device), local.w1.to(device), local.w2.to(device),
             p.topk_weights[mine].to(device), p.topk_ids[mine].to(device),
@@ -124,7 +125,7 @@ def run_rank(rank: int, world_size: int, config: EPConfig, *, gather: bool = Tru
         )  # fmt: skip
     except MoekitError as e:
         error = f"{type(e).__name__}: {e}"
-    trace = kernel.last_trace
+    trace = kernel.last_trace if kernel is not None else None
     ref = p.reference(rows=mine)
     err, close = float("nan"), False
     if out is not None:
@@ -134,15 +135,17 @@ def run_rank(rank: int, world_size: int, config: EPConfig, *, gather: bool = Tru
             close = True
         except AssertionError:
             close = False
-    counts = trace.counts_matrix()
-    handle = kernel.prepare_finalize.last_handle  # None when the forward failed before dispatch
+    # No trace when the door refused the call (a fresh kernel: nothing from an earlier call).
+    counts = trace.counts_matrix() if trace is not None else torch.zeros((0, local.w1.shape[0]), dtype=torch.int64)
+    backends = trace.backends if trace is not None else []
+    handle = kernel.prepare_finalize.last_handle if kernel is not None else None  # None: failed before dispatch
     recv = list(handle.recv_splits) if handle is not None else []
     per_expert = handle.recv_counts.sum(0).tolist() if handle is not None else []
-    result = RankResult(rank, end - start, sum(recv), out, ref, err, close, counts, trace.backends, per_expert)
+    result = RankResult(rank, end - start, sum(recv), out, ref, err, close, counts, backends, per_expert)
     result.error = error
     result.received_from = recv
     if error is None and gather and world_size > 1:
-        gathered = gather_traces(trace)
+        gathered = gather_traces(trace, timeout_s=config.timeout_s)
         result.all_counts = gathered if rank == 0 else []
     else:
         result.all_counts = [counts]
@@ -166,51 +169,87 @@ def format_results(results: list[RankResult]) -> str:
     return "\n".join(lines)
 
 
-def _parse(argv):
+def _number(kind, *, low: float, even: bool = False):
+    """An argparse ``type``: ``kind(text)`` >= ``low`` (and even), else a usage error (exit status 2)."""
+    what = ("an even int" if even else "an int" if kind is int else "a number") + f" >= {low:g}"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not value >= low or (even and value % 2) or value in (float("inf"), float("-inf")):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _token_counts(text: str) -> tuple[int, ...]:
+    count = _number(int, low=0)
+    try:
+        return tuple(count(m) for m in text.split(","))
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected one int >= 0, or one per rank (64,0), got {text!r}") from None
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m moekit.ep", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--world-size", type=int, default=None, help="ranks to spawn (omit under torchrun)")
+    positive = _number(int, low=1)
+    ap.add_argument("--world-size", type=positive, default=None, help="ranks to spawn (omit under torchrun)")
     ap.add_argument("--backend", choices=("gloo", "nccl"), default=None)
-    ap.add_argument("--M", default="64", help="tokens per rank: one int, or one per rank (64,0)")
-    ap.add_argument("--E", type=int, default=16, help="global experts")
-    ap.add_argument("--topk", type=int, default=2)
-    ap.add_argument("--K", type=int, default=128)
-    ap.add_argument("--N", type=int, default=256, help="w1 rows (2 x intermediate)")
-    ap.add_argument("--chunk-size", type=int, default=None)
+    ap.add_argument("--M", type=_token_counts, default=(64,), help="tokens per rank: one int, or one per rank (64,0)")
+    ap.add_argument("--E", type=positive, default=16, help="global experts")
+    ap.add_argument("--topk", type=positive, default=2)
+    ap.add_argument("--K", type=positive, default=128)
+    ap.add_argument("--N", type=_number(int, low=2, even=True), default=256, help="w1 rows (2 x intermediate)")
+    ap.add_argument("--chunk-size", type=positive, default=None)
     ap.add_argument("--experts", default="triton", choices=("triton", "triton_or_deep_gemm", "deep_gemm"))
     ap.add_argument("--quant", default=None, choices=("none", "fp8_block"), help="default: fp8 unless triton")
     ap.add_argument("--metadata-policy", default="per_chunk", choices=("per_chunk", "whole_batch"))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--timeout", type=float, default=300.0, help="seconds, for the run and each collective")
-    return ap.parse_args(argv)
+    ap.add_argument("--timeout", type=_number(float, low=0.001), default=300.0,
+                    help="seconds, for the run and each collective")  # fmt: skip
+    return ap
 
 
-def _config(args, world_size: int) -> EPConfig:
-    Ms = [int(m) for m in str(args.M).split(",")]
-    Ms = Ms * world_size if len(Ms) == 1 else Ms
+def _config(ap: argparse.ArgumentParser, args, world_size: int) -> EPConfig:
+    Ms = args.M * world_size if len(args.M) == 1 else args.M
+    if len(Ms) != world_size:
+        ap.error(f"argument --M: expected one token count or {world_size} (one per rank), got {len(Ms)}")
+    if args.topk > args.E:
+        ap.error(f"--topk {args.topk} is more than --E {args.E} experts")
     quant = QuantScheme(args.quant or ("none" if args.experts == "triton" else "fp8_block"))
     return EPConfig(tuple(Ms), E=args.E, topk=args.topk, K=args.K, N=args.N, chunk_size=args.chunk_size,
-                    experts=args.experts, quant=quant, metadata_policy=args.metadata_policy, seed=args.seed)
+                    experts=args.experts, quant=quant, metadata_policy=args.metadata_policy, seed=args.seed,
+                    timeout_s=args.timeout)  # fmt: skip
 
 
 def main(argv=None) -> int:
-    """CLI entry (see the module docstring). Exit status 1 when any rank mismatches or fails."""
-    from moekit.distributed import init_from_env, launch
+    """CLI entry (see the module docstring). Exit status 1 when any rank mismatches or fails, 2 on bad usage."""
+    from moekit.distributed import gather_objects, init_from_env, launch, torchrun_env
 
-    args = _parse(argv)
-    if args.world_size is None and "RANK" not in os.environ:  # neither torchrun nor --world-size
-        args.world_size = 1
-    if args.world_size is None:  # torchrun
-        rank, world_size = init_from_env(backend=args.backend, timeout_s=args.timeout)
-        result = run_rank(rank, world_size, _config(args, world_size))
-        results: list = [None] * world_size
-        dist.all_gather_object(results, _summary(result))
-        dist.destroy_process_group()
-        if rank != 0:
-            return 0 if all(r.close for r in results) else 1
-    else:
-        config = _config(args, args.world_size)
-        results = launch(run_rank, args.world_size, backend=args.backend, args=(config,),
-                         timeout_s=args.timeout)
+    ap = _parser()
+    args = ap.parse_args(argv)
+    try:
+        under_torchrun = args.world_size is None and torchrun_env() is not None
+    except InvalidInputError as e:
+        ap.error(str(e))
+    try:
+        if under_torchrun:
+            rank, world_size = init_from_env(backend=args.backend, timeout_s=args.timeout)
+            result = run_rank(rank, world_size, _config(ap, args, world_size))
+            results = gather_objects(_summary(result), timeout_s=args.timeout)
+            dist.destroy_process_group()
+            if rank != 0:
+                return 0 if all(r.close for r in results) else 1
+        else:
+            world_size = args.world_size or 1
+            results = launch(run_rank, world_size, backend=args.backend, args=(_config(ap, args, world_size),),
+                             timeout_s=args.timeout)  # fmt: skip
+    except MoekitError as e:  # a rank failed outside the forward (its traceback is in the message)
+        print(f"python -m moekit.ep: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     print(format_results(results))
     return 0 if all(r.close for r in results) else 1
 

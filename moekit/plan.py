@@ -32,11 +32,15 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from moekit.errors import ChunkSizeError, InvalidInputError, WorkspaceShapeError
 from moekit.types import ALIGN_M, ExpertsCall, Prepared, ProblemSize, WorkspaceShapes
+
+if TYPE_CHECKING:
+    from moekit.kernels.align import AlignedBlocks
 
 
 @dataclass(frozen=True)
@@ -61,7 +65,7 @@ class TokenChunk(Chunk):
 class RowChunk(Chunk):
     """Rows ``[start, end)`` of the batch's expert-sorted ``layout`` (128-row blocks)."""
 
-    layout: object = None  # moekit.kernels.align.AlignedBlocks
+    layout: AlignedBlocks = None
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moekit.distributed import gather_traces, init_from_env, launch, to_cpu
+from moekit.distributed import gather_objects, gather_traces, init_from_env, launch, to_cpu
 from moekit.errors import DistributedError, InvalidInputError
 from moekit.testing import expect_raises
 
@@ -45,6 +45,26 @@ def die_on_zero(rank, world):
     if rank == 0:
         os._exit(7)
     return rank
+
+
+def exit_quietly_on_one(rank, world):
+    if rank == 1:
+        os._exit(0)  # no report, no error: only the exit code says it is gone
+    time.sleep(45)  # works on, outside any collective (which would notice the closed connection)
+    return rank
+
+
+def gather_alone(rank, world):
+    """Rank 1 never joins the gather (it works on, then returns): rank 0 must not wait past its timeout."""
+    if rank == 1:
+        time.sleep(8)
+        return None
+    start = time.monotonic()
+    try:
+        gather_objects({"rank": rank}, timeout_s=2)
+        return "no error"
+    except DistributedError as e:
+        return f"{type(e).__name__} {'timed out' in str(e)} {time.monotonic() - start:.1f}"
 
 
 def hang_on_one(rank, world):
@@ -126,6 +146,20 @@ def test_rank_that_dies_without_a_word():
         launch(die_on_zero, 2, backend="gloo", timeout_s=60)
 
 
+def test_rank_that_exits_with_code_0_without_a_word():
+    # Before: noticed only at the deadline (60 s here), while a non-zero exit code got the grace.
+    start = time.monotonic()
+    with expect_raises(DistributedError, match="rank 1 exited with code 0 without reporting a result"):
+        launch(exit_quietly_on_one, 2, backend="gloo", timeout_s=60)
+    assert time.monotonic() - start < 15, f"noticed after {time.monotonic() - start:.1f} s"
+
+
+def test_gather_objects_waits_at_most_its_timeout():
+    got = launch(gather_alone, 2, backend="gloo", timeout_s=60)
+    assert got[1] is None and got[0].startswith("DistributedError True"), got
+    assert float(got[0].split()[-1]) < 4, got  # timeout_s=2, plus a little
+
+
 def test_hanging_rank_times_out():
     start = time.monotonic()
     with expect_raises(DistributedError):
@@ -199,3 +233,60 @@ def test_ep_cli_runs_every_rank_and_prints_counts(capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "rank 1: M=0 tokens" in out and "chunk 0 [triton]" in out and "MISMATCH" not in out
+
+
+def _own_non_loopback_address() -> str | None:
+    """An IPv4 address of one of this host's interfaces outside 127/8 (Linux's /proc/net/fib_trie)."""
+    try:
+        lines = open("/proc/net/fib_trie").read().splitlines()
+    except OSError:
+        return None
+    for above, line in zip(lines, lines[1:], strict=False):
+        address = above.strip().removeprefix("|-- ")
+        if line.strip() == "/32 host LOCAL" and not address.startswith("127."):
+            return address
+    return None
+
+
+_PROBE = """
+import json, socket, sys
+sys.path.insert(0, {tests!r})
+import test_distributed as td
+from moekit.distributed import launch
+listening = launch(td.listening_addresses, 2, backend="gloo", timeout_s=60)
+print(json.dumps({{"resolved": socket.gethostbyname(socket.gethostname()), "listening": listening}}))
+"""
+
+
+def _can_unshare() -> bool:
+    import shutil
+    import subprocess
+
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        return False
+    return subprocess.run(["unshare", "--uts", "--mount", "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux's /proc/net/tcp")
+def test_gloo_listens_on_loopback_when_the_hostname_resolves_elsewhere(tmp_path):
+    """gloo binds the address the hostname resolves to unless told an interface. Here the launch
+    runs in its own UTS and mount namespaces (root, ``unshare``), where the hostname resolves to
+    one of this host's non-loopback addresses: every listener must still be on loopback."""
+    import json
+    import subprocess
+    import sys
+
+    address = _own_non_loopback_address()
+    if address is None or not _can_unshare():
+        pytest.skip("needs a non-loopback IPv4 address, root and unshare(1) with UTS + mount namespaces")
+    hosts = tmp_path / "hosts"
+    hosts.write_text(f"{address} moekit-probe-host\n127.0.0.1 localhost\n")
+    code = _PROBE.format(tests=os.path.dirname(__file__))
+    script = f'hostname moekit-probe-host && mount --bind "{hosts}" /etc/hosts && exec "$0" -c "$1"'
+    done = subprocess.run(["unshare", "--uts", "--mount", "sh", "-c", script, sys.executable, code],
+                          capture_output=True, text=True, timeout=120, env=os.environ.copy())  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["resolved"] == address, got  # the setup works: the hostname resolves beyond loopback
+    loopback = {"0100007F", "00000000000000000000000001000000"}
+    assert all(got["listening"]) and all(set(r) <= loopback for r in got["listening"]), got

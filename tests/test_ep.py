@@ -86,3 +86,69 @@ def test_cli_runs_two_gloo_ranks():
     assert done.returncode == 0, done.stdout + done.stderr
     assert "rank 0: M=8 tokens" in done.stdout and "rank 1: M=4 tokens" in done.stdout
     assert done.stdout.count("(ok)") == 2 and "MISMATCH" not in done.stdout
+
+
+@pytest.mark.parametrize("argv, env, says", [
+    (["--M", "abc"], {}, "argument --M: expected one int >= 0, or one per rank (64,0), got 'abc'"),
+    (["--M", "-3"], {}, "argument --M: expected one int >= 0"),
+    (["--M", "4,-1"], {}, "argument --M: expected one int >= 0"),
+    (["--K", "0"], {}, "argument --K: expected an int >= 1, got '0'"),
+    (["--N", "3"], {}, "argument --N: expected an even int >= 2, got '3'"),
+    (["--E", "4", "--topk", "5"], {}, "--topk 5 is more than --E 4 experts"),
+    (["--world-size", "2", "--M", "1,2,3"], {}, "expected one token count or 2 (one per rank), got 3"),
+    (["--timeout", "nan"], {}, "argument --timeout: expected a number >= 0.001"),
+    ([], {"RANK": "0"}, "RANK is set but WORLD_SIZE is not"),
+    ([], {"RANK": "0", "WORLD_SIZE": "abc"}, "RANK and WORLD_SIZE must be ints, got RANK='0', WORLD_SIZE='abc'"),
+    ([], {"RANK": "2", "WORLD_SIZE": "2"}, "0 <= RANK < WORLD_SIZE"),
+])  # fmt: skip
+def test_cli_bad_values_are_usage_errors(monkeypatch, capsys, argv, env, says):
+    # Before: raw tracebacks (ValueError from int(), or deep inside the forward).
+    from moekit.ep import main
+
+    for k in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(SystemExit) as caught:
+        main(argv)
+    err = capsys.readouterr().err
+    assert caught.value.code == 2 and "usage: python -m moekit.ep" in err and says in err, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.distributed
+def test_cli_shows_the_named_error_of_every_rank(capsys):
+    # Before: AttributeError: 'NoneType' object has no attribute 'counts_matrix' (no trace after
+    # a door error); a bad experts/quant pair raised in every rank with a traceback.
+    from moekit.ep import main
+
+    common = ["--world-size", "2", "--M", "3", "--E", "4", "--K", "64", "--N", "64", "--timeout", "60"]
+    assert main([*common, "--experts", "triton_or_deep_gemm"]) == 1  # fp8 needs K and N/2 multiples of 128
+    out = capsys.readouterr().out
+    assert out.count("QuantizationError: fp8 block TritonExperts need K and N/2 to be multiples of 128") == 2, out
+    assert main([*common, "--experts", "deep_gemm", "--quant", "none"]) == 1
+    out = capsys.readouterr().out
+    assert out.count("QuantizationError: DeepGemmExperts needs quant=QuantScheme.FP8_BLOCK") == 2, out
+
+
+@pytest.mark.interpreter
+@pytest.mark.distributed
+def test_cli_under_torchrun_with_one_process(monkeypatch, capsys):
+    import socket
+
+    import torch.distributed as dist
+
+    from moekit.ep import main
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(port)}.items():  # fmt: skip
+        monkeypatch.setenv(k, v)
+    try:
+        assert main(["--M", "5", "--E", "4", "--K", "32", "--N", "32", "--backend", "gloo", "--timeout", "30"]) == 0
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert "rank 0: M=5 tokens" in capsys.readouterr().out

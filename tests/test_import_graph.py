@@ -1,7 +1,8 @@
 """moekit's modules import each other in one direction only: the import graph has no cycle.
 
 Every ``import`` and ``from ... import`` in every module counts, at any depth (a function-level
-import is still a dependency, only a later one). ``from moekit.a import b`` is an edge to
+import is still a dependency, only a later one), except those under ``if TYPE_CHECKING:``, which
+never run. ``from moekit.a import b`` is an edge to
 ``moekit.a.b`` when that is a module, else to ``moekit.a``. A package's ``__init__`` is not
 implied by importing one of its submodules (that would put every package that re-exports its
 submodules in a cycle with them); imports built from strings (``importlib.import_module``) are
@@ -28,7 +29,11 @@ def imported_modules(tree: ast.AST, name: str, is_package: bool, known: set[str]
     """The modules of ``known`` that the module ``name`` imports anywhere in ``tree``."""
     found = set()
     here = name if is_package else name.rpartition(".")[0]  # what a relative import is relative to
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and _is_type_checking(node.test)
+                   for n in ast.walk(node)}  # fmt: skip
     for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -39,6 +44,11 @@ def imported_modules(tree: ast.AST, name: str, is_package: bool, known: set[str]
             for alias in node.names:
                 found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base)
     return {m for m in found if m in known and m != name}
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")  # fmt: skip
 
 
 def import_graph(root: Path) -> dict[str, set[str]]:
@@ -90,21 +100,9 @@ def test_the_graph_sees_moekit():
     assert "moekit.experts.base" in graph["moekit.experts"]  # a package's own __init__ counts too
 
 
-# Cycles that only a change to a file owned by another stream can break, each with that change.
-# The test fails once such a cycle is gone, so that its entry is deleted with it.
-KNOWN = {
-    ("moekit.cli", "moekit.cli.walkthrough", "moekit.cli"): (
-        "moekit/cli/walkthrough.py's write_index imports collect_info from moekit.cli, whose main() imports "
-        "walkthrough; it should import it from moekit.cli.system_info"
-    ),
-}
-
-
 def test_no_import_cycles_in_moekit():
-    found = {tuple(c) for c in cycles(import_graph(PACKAGE))}
-    new = sorted(found - set(KNOWN))
-    assert not new, "import cycles: " + "; ".join(" -> ".join(c) for c in new)
-    assert found == set(KNOWN), f"fixed, so delete from KNOWN: {sorted(set(KNOWN) - found)}"
+    found = sorted(tuple(c) for c in cycles(import_graph(PACKAGE)))
+    assert not found, "import cycles: " + "; ".join(" -> ".join(c) for c in found)
 
 
 @pytest.fixture

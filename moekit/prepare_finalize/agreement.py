@@ -1,35 +1,62 @@
 """What the ranks of an all-to-all must agree on before any token moves, checked on every rank.
 
 Ranks that disagree about the layer (a dtype of the same size, another K, another E, a placement
-in which an expert has no owner or two) would otherwise exchange bytes that mean different things
-on each side, or split sizes that do not match: garbage, or gloo aborting the process. So every
-dispatch starts with one small, fixed-size exchange: each rank's header
+in which an expert has no owner or two, another dispatch mode or capacity) would otherwise
+exchange bytes that mean different things on each side, or split sizes that do not match:
+garbage, or gloo aborting the process. So every dispatch starts with one small, fixed-size
+exchange: each rank's header
 
-    [version, dtype, K, E_global, E_local, topk, quant, placement hash]
+    [version, refused, dtype, K, E_global, E_local, topk, quant, mode, capacity, check, map hash]
 
 gathered to every rank. Every rank compares all headers and, on any difference, raises the same
-named error naming which rank disagrees about what. When the tuple of placement hashes is new,
-the ranks also gather their expert maps and check that every expert has exactly one owner; the
+named error naming which rank disagrees about what. ``refused`` is non-zero when the rank's own
+inputs were rejected at the door (:meth:`Agreement.refuse`): the others then raise too, instead
+of waiting for a rank that will never dispatch. When the tuple of placement hashes is new, the
+ranks also gather their expert maps and check that every expert has exactly one owner; the
 agreed :class:`Placement` is cached for that tuple. All ranks see the same headers, so they
 always take the same branch: nobody is left waiting in a collective the others skipped.
+
+Every exchange waits at most ``timeout_s`` (then :class:`~moekit.errors.DistributedError`).
+``topk_ids`` need not agree in dtype: ids travel as int32 whatever each caller passed.
 """
 
 from __future__ import annotations
 
+import datetime
 import zlib
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from moekit.errors import InvalidInputError
+from moekit import errors
+from moekit.errors import DistributedError, InvalidInputError
 from moekit.types import ExpertPlacement, QuantScheme
 
-_VERSION = 1
+_VERSION = 2
+WIRE_IDS = torch.int32  # the dtype expert ids travel in (E_global must fit)
 _DTYPES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4}
-_FIELDS = ("header version", "hidden dtype", "K", "global_num_experts", "local experts (w1 rows)", "topk",
-           "quant scheme", "expert placement")  # fmt: skip
 _QUANT = {QuantScheme.NONE: 0, QuantScheme.FP8_BLOCK: 1}
+_MODES, _CHECKS = ("exact", "capacity"), ("sync", "deferred")
+REFUSED, E_LOCAL, MAP_HASH = 1, 5, 11  # columns that are per rank, not compared
+# The compared columns and what to call them in a message.
+_AGREED = {0: "header version", 2: "hidden dtype", 3: "K", 4: "global_num_experts", 6: "topk", 7: "quant scheme",
+           8: "dispatch mode", 9: "max_tokens_per_rank", 10: "capacity check"}  # fmt: skip
+_NAMES = {2: {v: str(k).removeprefix("torch.") for k, v in _DTYPES.items()}, 7: {v: k.value for k, v in _QUANT.items()},
+          8: dict(enumerate(_MODES)), 10: dict(enumerate(_CHECKS))}  # fmt: skip
+# A refused rank's error class travels as its index here (+1), so that its peers raise the same class.
+_REFUSALS = (errors.InvalidIdsError, errors.InvalidInputError, errors.QuantizationError, errors.FormatMismatchError,
+             errors.ChunkSizeError, errors.WorkspaceShapeError, errors.CapacityError, errors.StaleMetadataError,
+             errors.BackendUnavailableError, errors.DistributedError, errors.MoekitError)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """How a stage dispatches (all ranks must match): ``mode``, capacity ``C`` (None in exact mode), ``check``."""
+
+    mode: str = "exact"
+    capacity: int | None = None
+    check: str = "sync"
 
 
 @dataclass(frozen=True)
@@ -50,44 +77,106 @@ class Placement:
     by_position: torch.Tensor
 
 
+def refusal_code(error: BaseException) -> int:
+    """The code that tells the peers which named error a rank raised at its door (1-based)."""
+    for cls in type(error).__mro__:
+        if cls in _REFUSALS:
+            return _REFUSALS.index(cls) + 1
+    return _REFUSALS.index(errors.MoekitError) + 1
+
+
+def refusal_error(codes: dict[int, int], rank: int) -> errors.MoekitError:
+    """The error a rank raises when ranks ``codes`` (rank -> refusal code) rejected their inputs."""
+    first = min(codes)
+    cls = _REFUSALS[codes[first] - 1] if 0 < codes[first] <= len(_REFUSALS) else DistributedError
+    names = {r: (_REFUSALS[c - 1] if 0 < c <= len(_REFUSALS) else DistributedError).__name__ for r, c in codes.items()}
+    return cls(
+        f"rank(s) {sorted(codes)} rejected their inputs before the dispatch ({names}); rank {rank} raises too, so "
+        f"that no rank waits in a collective for them. What was wrong is in rank {first}'s own {names[first]}."
+    )
+
+
+def wait(work, *, timeout_s: float | None, what: str, group) -> None:
+    """Wait for an async collective, at most ``timeout_s`` seconds (None: the group's own timeout)."""
+    try:
+        if timeout_s is None:
+            work.wait()
+        else:
+            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        raise DistributedError(
+            f"{what} failed or timed out on rank {dist.get_rank(group)} (timeout_s={timeout_s}): {e}. Every rank "
+            "must call forward, including ranks with no tokens. After a timeout the group's collectives are out "
+            "of step (with NCCL the communicator is unusable): destroy the process group and start a new one."
+        ) from e
+
+
 def _map_hash(placement: ExpertPlacement) -> int:
     emap = placement.expert_map
     if emap is None:
         return 0
     data = emap.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()
-    return zlib.crc32(data) & 0x7FFFFFFF
+    return (zlib.crc32(data) & 0x7FFFFFFF) or 1  # 0 means "no map"
 
 
 class Agreement:
-    """Checks one stage's calls against the other ranks' (one per All2AllPrepareFinalize)."""
+    """Checks one stage's calls against the other ranks' (one per All2AllPrepareFinalize).
 
-    def __init__(self, group):
-        self.group = group
+    Args:
+        group: the process group; ``timeout_s``: the longest wait of each exchange (None: the
+            group's own timeout); ``dispatch``: this stage's :class:`Dispatch`.
+    """
+
+    def __init__(self, group, *, timeout_s: float | None = None, dispatch: Dispatch = Dispatch()):
+        self.group, self.timeout_s, self.dispatch = group, timeout_s, dispatch
         self._hash_seen: tuple | None = None  # (map identity) -> hash, to avoid a host read per call
         self._hash = 0
         self._placements: dict[tuple[int, ...], Placement] = {}
 
     def local_hash(self, placement: ExpertPlacement) -> int:
-        """A hash of this rank's expert map (recomputed only when the map tensor changes)."""
+        """A hash of this rank's expert map (recomputed only when the map tensor changes); 0: no map."""
         emap = placement.expert_map
         seen = None if emap is None else (emap.data_ptr(), emap._version, emap.numel(), str(emap.device))
         if seen != self._hash_seen or emap is None:
             self._hash, self._hash_seen = _map_hash(placement), seen
         return self._hash
 
+    def _header(self, refused: int, fields: list[int], device) -> list[list[int]]:
+        d = self.dispatch
+        dispatch = [_MODES.index(d.mode), d.capacity or 0, _CHECKS.index(d.check)]
+        mine = [_VERSION, refused, *fields[:6], *dispatch, fields[6]]
+        world = dist.get_world_size(self.group)
+        headers = self._gather(torch.tensor(mine, dtype=torch.int64, device=device), world, "the agreement header")
+        return headers.cpu().tolist()  # the host sync of this check
+
+    def refuse(self, error: BaseException, device) -> None:
+        """Join the header exchange saying "my inputs were rejected" (with ``error``'s class), so
+        that the other ranks' :meth:`check` raises instead of waiting for this rank."""
+        self._header(refusal_code(error), [0] * 7, device)
+
     def check(self, hidden: torch.Tensor, topk: int, quant: QuantScheme, placement: ExpertPlacement) -> Placement:
-        """Exchange headers, raise on any disagreement, return the agreed placement."""
+        """Exchange headers, raise on any disagreement (or a peer's refusal), return the agreed placement."""
         rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
-        mine = [_VERSION, _DTYPES.get(hidden.dtype, 0), hidden.shape[1], placement.global_num_experts,
-                placement.num_local_experts, topk, _QUANT[quant], self.local_hash(placement)]  # fmt: skip
-        headers = _gather(torch.tensor(mine, dtype=torch.int64, device=hidden.device), world, self.group)
-        rows = headers.cpu().tolist()  # the host sync of this check
-        for i, field in enumerate(_FIELDS[:4] + _FIELDS[5:7]):
-            col = i if i < 4 else i + 1
-            values = {r: row[col] for r, row in enumerate(rows)}
+        fields = [_DTYPES.get(hidden.dtype, 0), hidden.shape[1], placement.global_num_experts,
+                  placement.num_local_experts, topk, _QUANT[quant], self.local_hash(placement)]  # fmt: skip
+        rows = self._header(0, fields, hidden.device)
+        refused = {r: row[REFUSED] for r, row in enumerate(rows) if row[REFUSED]}
+        if refused:
+            raise refusal_error(refused, rank)
+        for col, field in _AGREED.items():
+            values = {r: _NAMES.get(col, {}).get(row[col], row[col]) for r, row in enumerate(rows)}
             if len(set(values.values())) > 1:
                 raise InvalidInputError(_disagreement(field, values, rank))
-        key = tuple(row[7] for row in rows) + tuple(row[4] for row in rows)
+        E = placement.global_num_experts
+        if E > torch.iinfo(WIRE_IDS).max:  # the same E on every rank: every rank raises
+            raise InvalidInputError(f"global_num_experts={E} does not fit the int32 ids of the all-to-all")
+        unmapped = [r for r, row in enumerate(rows) if row[MAP_HASH] == 0]
+        if world > 1 and unmapped:
+            raise InvalidInputError(
+                f"rank(s) {unmapped} of {world} got no expert_map (seen from rank {rank}); on every rank r pass "
+                f"expert_map=moekit.routing.contiguous_expert_map({E}, {world}, r)"
+            )
+        key = tuple(row[MAP_HASH] for row in rows) + tuple(row[E_LOCAL] for row in rows)
         if key not in self._placements:
             self._placements[key] = self._gather_placement(placement, rows, world, hidden.device)
         return self._placements[key]
@@ -95,14 +184,10 @@ class Agreement:
     def _gather_placement(self, placement: ExpertPlacement, rows, world: int, device) -> Placement:
         E = placement.global_num_experts
         emap = placement.expert_map
-        if emap is None:
-            if world > 1:
-                raise InvalidInputError(
-                    f"rank {dist.get_rank(self.group)} of {world} got no expert_map; pass "
-                    f"expert_map=moekit.routing.contiguous_expert_map({E}, {world}, rank)"
-                )
+        if emap is None:  # one rank (checked above): it owns every expert
             emap = torch.arange(E, device=device)
-        maps = _gather(emap.to(device=device, dtype=torch.int64).reshape(-1), world, self.group).view(world, E).cpu()
+        maps = self._gather(emap.to(device=device, dtype=torch.int64).reshape(-1), world, "the expert maps")
+        maps = maps.view(world, E).cpu()
         owned = maps >= 0
         problems = []
         per_expert = owned.sum(0)
@@ -110,9 +195,9 @@ class Agreement:
             bad = (per_expert != 1).nonzero().flatten().tolist()[:8]
             problems.append(f"experts {bad} have {per_expert[bad].tolist()} owners (each needs exactly one)")
         for r in range(world):
-            local = sorted(maps[r][owned[r]].tolist())
-            if local != list(range(rows[r][4])):
-                problems.append(f"rank {r}'s map gives local ids {local[:8]} for its {rows[r][4]} experts (w1 rows)")
+            local, count = sorted(maps[r][owned[r]].tolist()), rows[r][E_LOCAL]
+            if local != list(range(count)):
+                problems.append(f"rank {r}'s map gives local ids {local[:8]} for its {count} experts (w1 rows)")
         if problems:
             raise InvalidInputError("the ranks' expert maps do not form one placement: " + "; ".join(problems))
         owner = owned.int().argmax(0)  # exactly one owner per expert
@@ -123,16 +208,14 @@ class Agreement:
         sizes = tuple(owned.sum(1).tolist())
         return Placement(owner.to(device), local.to(device), sizes, position.to(device), by_position.to(device))
 
+    def _gather(self, t: torch.Tensor, world: int, what: str) -> torch.Tensor:
+        out = [torch.empty_like(t) for _ in range(world)]
+        work = dist.all_gather(out, t.contiguous(), group=self.group, async_op=True)
+        wait(work, timeout_s=self.timeout_s, what=f"all_gather of {what}", group=self.group)
+        return torch.stack(out)
 
-def _gather(t: torch.Tensor, world: int, group) -> torch.Tensor:
-    out = [torch.empty_like(t) for _ in range(world)]
-    dist.all_gather(out, t.contiguous(), group=group)
-    return torch.stack(out)
 
-
-def _disagreement(field: str, values: dict[int, int], rank: int) -> str:
-    names = {v: k for k, v in _DTYPES.items()} if field == "hidden dtype" else None
-    shown = {r: (str(names.get(v, v)).removeprefix("torch.") if names else v) for r, v in values.items()}
+def _disagreement(field: str, shown: dict[int, object], rank: int) -> str:
     counts: dict = {}
     for v in shown.values():
         counts[v] = counts.get(v, 0) + 1
@@ -141,5 +224,6 @@ def _disagreement(field: str, values: dict[int, int], rank: int) -> str:
     return (
         f"the ranks disagree about the MoE layer's {field}: rank(s) {odd} have "
         f"{', '.join(str(shown[r]) for r in odd)} where the others have {common} (seen from rank {rank}: "
-        f"{shown}). Every rank must call forward with the same dtype, K, E_global, topk and quant scheme."
+        f"{shown}). Every rank must call forward with the same dtype, K, E_global, topk and quant scheme, "
+        "through stages built alike (mode, max_tokens_per_rank, check)."
     )

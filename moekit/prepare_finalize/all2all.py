@@ -29,7 +29,6 @@ no tokens: ``collective = True`` tells the modular kernel not to skip them when 
 
 from __future__ import annotations
 
-import datetime
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +36,7 @@ import torch.distributed as dist
 
 from moekit.errors import CapacityError, DistributedError, InvalidIdsError, InvalidInputError
 from moekit.prepare_finalize import capacity
-from moekit.prepare_finalize.agreement import Agreement
+from moekit.prepare_finalize.agreement import WIRE_IDS, Agreement, Dispatch, refusal_code, wait
 from moekit.prepare_finalize.base import PrepareFinalize, quantize_activations, weight_and_reduce
 from moekit.types import ActivationFormat, ExpertPlacement, ExpertTokensMetadata, Prepared, QuantScheme
 
@@ -71,9 +70,11 @@ class All2AllPrepareFinalize(PrepareFinalize):
     Args:
         group: the torch.distributed process group (default: the world). Gloo needs CPU
             tensors, NCCL CUDA tensors.
-        timeout_s: wait at most this long for each exchange, then raise DistributedError. None
-            relies on the group's own timeout (``init_process_group(timeout=...)``). With NCCL a
-            timeout makes every wait a host sync; leave it None when timing.
+        timeout_s: wait at most this long for each exchange (the agreement's gathers and every
+            all-to-all), then raise DistributedError. None relies on the group's own timeout
+            (``init_process_group(timeout=...)``). With NCCL a timeout makes every wait a host
+            sync; leave it None when timing. After a timeout the group is out of step: destroy it
+            and start a new one (with NCCL the communicator is unusable).
         mode: ``"exact"`` (split sizes first, read on the host, then exactly the rows: one host
             sync per dispatch) or ``"capacity"`` (fixed blocks of ``max_tokens_per_rank`` rows per
             rank pair, no host sync after the first call: see :mod:`moekit.prepare_finalize.capacity`).
@@ -83,7 +84,16 @@ class All2AllPrepareFinalize(PrepareFinalize):
 
     The caller passes ``expert_map = contiguous_expert_map(E_global, W, rank)`` (and the local
     ``[E_local, ...]`` weights) to ``ModularKernel.forward``; the received ``topk_ids`` are
-    global ids, which the experts map to local ids with it.
+    global int32 ids (ids travel as int32, so ranks may pass int16, int32 or int64), which the
+    experts map to local ids with it.
+
+    Bad inputs on one rank: every rank raises a named error. The modular kernel calls
+    :meth:`refuse` when its door rejects this rank's inputs, and the peers raise the same error
+    class naming that rank; what the exchanges find (ids beyond E, M beyond the capacity, ranks
+    that disagree about the layer or the dispatch) raises on every rank. Tested on gloo, at 2
+    and 3 ranks: every rank raises within ``timeout_s`` (in well under a second when one rank's
+    inputs are bad). A rank that stops answering makes the others raise DistributedError after
+    ``timeout_s``; with NCCL that is not tested here, and the communicator is then unusable.
     """
 
     activation_format = ActivationFormat.STANDARD
@@ -106,8 +116,9 @@ class All2AllPrepareFinalize(PrepareFinalize):
         self.timeout_s = timeout_s
         self.mode, self.max_tokens_per_rank, self.check = mode, C, check
         self.last_handle: DispatchHandle | capacity.CapacityHandle | None = None  # the latest prepare's, for inspection
-        self._agreement = Agreement(group)
-        self._agreed: tuple | None = None  # (key, placement) of capacity mode's last agreement
+        self._agreement = Agreement(group, timeout_s=timeout_s)
+        self._agreed: tuple[capacity.Layer, object] | None = None  # capacity mode's last agreement
+        self._device: torch.device | None = None  # the latest call's, for refuse
 
     def __repr__(self) -> str:
         cap = f", max_tokens_per_rank={self.max_tokens_per_rank}" if self.mode == "capacity" else ""
@@ -128,16 +139,34 @@ class All2AllPrepareFinalize(PrepareFinalize):
 
     def _wait(self, *pending) -> None:
         for work, what in pending:
-            try:
-                if self.timeout_s is None:
-                    work.wait()
-                else:
-                    work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
-            except RuntimeError as e:
-                raise DistributedError(
-                    f"all-to-all of {what} failed or timed out on rank {dist.get_rank(self.group)}: {e}. "
-                    "Every rank must call forward, including ranks with no tokens."
-                ) from e
+            wait(work, timeout_s=self.timeout_s, what=f"all-to-all of {what}", group=self.group)
+
+    def _configured(self) -> Agreement:
+        """The agreement, told this stage's current options (they are plain attributes)."""
+        check = self.check if self.mode == "capacity" else "sync"  # exact mode has no check to agree on
+        self._agreement.timeout_s = self.timeout_s
+        self._agreement.dispatch = Dispatch(self.mode, self.max_tokens_per_rank, check)
+        return self._agreement
+
+    def _agree(self, hidden, topk, quant, placement):
+        return self._configured().check(hidden, topk, quant, placement)  # named error on every rank
+
+    def refuse(self, error: Exception) -> None:
+        """This rank's inputs were rejected at the door: join the exchange the peers are in (the
+        agreement header, or capacity mode's blocks once agreed) flagged as refused, so that they
+        raise the same named error class within ``timeout_s`` instead of waiting. Never raises:
+        a failure to tell them is noted on ``error``."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        self.last_handle = None
+        device = self._device or _group_device(self.group)
+        try:
+            if self.mode == "capacity" and self._agreed is not None:
+                self._refuse_capacity(refusal_code(error), self._agreed[0], device)
+            else:
+                self._configured().refuse(error, device)
+        except Exception as e:  # the door's error must reach the caller, not this one
+            error.add_note(f"moekit could not tell the other ranks (they raise after their timeout_s): {e}")
 
     # ----------------------------------------------------------------------------------------
     def prepare(
@@ -150,19 +179,20 @@ class All2AllPrepareFinalize(PrepareFinalize):
         placement: ExpertPlacement,
     ) -> Prepared:
         rank, world = self._world()
+        self.last_handle, self._device = None, hidden.device
         if self.mode == "capacity":
             return self._prepare_capacity(hidden, topk_weights, topk_ids, quant, placement, world)
         device = hidden.device
         M, topk = topk_ids.shape
         K = hidden.shape[1]
-        agreed = self._agreement.check(hidden, topk, quant, placement)  # named error on every rank
+        agreed = self._agree(hidden, topk, quant, placement)
         E, E_local = placement.global_num_experts, placement.num_local_experts
 
         # Sort keys: the expert's place in (owner, local id) order, E for an empty slot (-1), E + 1
-        # for an invalid id; sorting groups the pairs by owner rank, then by its local expert.
+        # for an invalid id (< -1 or >= E); sorting groups the pairs by owner rank, then by its local expert.
         flat = topk_ids.reshape(-1).long()  # [M * topk]
         valid = (flat >= 0) & (flat < E)
-        key = torch.where(valid, agreed.position[flat.clamp(0, E - 1)], torch.where(flat < 0, E, E + 1))
+        key = torch.where(valid, agreed.position[flat.clamp(0, E - 1)], torch.where(flat == -1, E, E + 1))
         order = torch.argsort(key, stable=True)
         hist = torch.zeros(E + 2, dtype=torch.int64, device=device).scatter_add_(0, key, torch.ones_like(key))
         # Per destination d: pairs for each of d's experts in its local order, plus this rank's
@@ -178,7 +208,7 @@ class All2AllPrepareFinalize(PrepareFinalize):
         sent_cpu, recv_cpu = hist.cpu(), recv.cpu()  # the host sync of the exact-size exchange
         bad = recv_cpu[:, E_local].nonzero().flatten().tolist()
         if bad:
-            raise InvalidIdsError(f"topk_ids must be in [0, E_global={E}) or -1; rank(s) {bad} passed larger")
+            raise InvalidIdsError(f"topk_ids must be in [0, E_global={E}) or -1; rank(s) {bad} passed others")
         send_splits = [int(sent_cpu[a:b].sum()) for a, b in _bounds(agreed.sizes)]
         recv_counts = recv_cpu[:, :E_local]  # [W, E_local]: received from each rank, per expert
         recv_splits = recv_counts.sum(1).tolist()
@@ -189,10 +219,10 @@ class All2AllPrepareFinalize(PrepareFinalize):
         a1q, a1q_scale = quantize_activations(hidden, quant)
         wire = a1q.view(torch.uint8) if a1q.dtype == torch.float8_e4m3fn else a1q  # fp8 travels as bytes
         rows = wire.new_empty((R, K))
-        ids = topk_ids.new_empty((R,))
+        ids = torch.empty((R,), dtype=WIRE_IDS, device=device)  # one wire dtype, whatever each rank passed
         pending = [
             self._exchange(rows, wire[token], recv_splits, send_splits, "activation rows"),
-            self._exchange(ids, gid.to(topk_ids.dtype), recv_splits, send_splits, "expert ids"),
+            self._exchange(ids, gid.to(WIRE_IDS), recv_splits, send_splits, "expert ids"),
         ]
         scales = None
         if a1q_scale is not None:
@@ -215,25 +245,32 @@ class All2AllPrepareFinalize(PrepareFinalize):
         )
 
     # ----------------------------------------------------------------------------------------
-    def _agree_capacity(self, hidden, topk, quant, placement, world):
-        """The agreement (and that every rank has the same C), once per layer key: later calls
-        with the same key exchange nothing, so they can run inside a CUDA graph."""
-        key = (hidden.dtype, hidden.shape[1], placement.global_num_experts, placement.num_local_experts, topk,
-               quant, self._agreement.local_hash(placement), self.max_tokens_per_rank)  # fmt: skip
-        if self._agreed is not None and self._agreed[0] == key:
+    def _agree_capacity(self, hidden, topk, quant, placement):
+        """The agreement (C and the check mode are in its header), once per layer: later calls
+        with the same layer exchange nothing more than the blocks, so they can run inside a CUDA graph."""
+        layer = capacity.Layer(hidden.dtype, hidden.shape[1], placement.global_num_experts, placement.num_local_experts,
+                               topk, quant, self._agreement.local_hash(placement), self.max_tokens_per_rank,
+                               self.check)  # fmt: skip
+        if self._agreed is not None and self._agreed[0] == layer:
             return self._agreed[1]
-        agreed = self._agreement.check(hidden, topk, quant, placement)
-        caps = [torch.empty(1, dtype=torch.int64, device=hidden.device) for _ in range(world)]
-        dist.all_gather(caps, torch.tensor([self.max_tokens_per_rank], device=hidden.device), group=self.group)
-        caps = [int(c) for c in caps]
-        if len(set(caps)) > 1:
-            raise InvalidInputError(f"every rank must use the same max_tokens_per_rank, got {caps} by rank")
-        self._agreed = (key, agreed)
+        self._agreed = None
+        agreed = self._agree(hidden, topk, quant, placement)
+        self._agreed = (layer, agreed)
         return agreed
+
+    def _refuse_capacity(self, code: int, layer: capacity.Layer, device) -> None:
+        """The blocks the peers wait for (empty, flagged refused); in deferred mode, the combine too."""
+        send = capacity.refused_blocks(layer, dist.get_world_size(self.group), code, device)
+        names = ("activation rows", "expert ids", "router weights", "capacity flags", "scales")
+        sent = [(t, n) for t, n in zip(send, names, strict=True) if t is not None]
+        self._wait(*[self._exchange(torch.empty_like(t), t, None, None, n) for t, n in sent])
+        if layer.check == "deferred":  # the peers go on to the combine: join it, sending nothing
+            zeros = torch.zeros((send[0].shape[0], layer.K), dtype=torch.float32, device=device)
+            self._wait(self._exchange(torch.empty_like(zeros), zeros, None, None, "partial sums (combine)"))
 
     def _prepare_capacity(self, hidden, topk_weights, topk_ids, quant, placement, world) -> Prepared:
         C, (M, topk) = self.max_tokens_per_rank, topk_ids.shape
-        agreed = self._agree_capacity(hidden, topk, quant, placement, world)
+        agreed = self._agree_capacity(hidden, topk, quant, placement)
         a1q, a1q_scale = quantize_activations(hidden, quant)
         wire = a1q.view(torch.uint8) if a1q.dtype == torch.float8_e4m3fn else a1q  # fp8 travels as bytes
         rows, scales, ids, weights, flags, slot = capacity.pack(wire, a1q_scale, topk_ids, topk_weights, placement,
@@ -244,12 +281,12 @@ class All2AllPrepareFinalize(PrepareFinalize):
                    self._exchange(recv[2], weights, None, None, "router weights"),
                    self._exchange(recv[3], flags, None, None, "capacity flags")]  # fmt: skip
         recv_scales = None
-        if scales is not None:
+        if scales is not None:  # last: refuse sends in this order too
             recv_scales = torch.empty_like(scales)
             pending.append(self._exchange(recv_scales, scales, None, None, "scales"))
         self._wait(*pending)
-        if self.check == "sync":
-            capacity.raise_for(recv[3], C, placement.global_num_experts)  # the one read of this mode
+        if self.check == "sync":  # the one read of this mode
+            capacity.raise_for(recv[3], C, placement.global_num_experts, rank=dist.get_rank(self.group))
         from moekit.kernels.count import count_expert_num_tokens
 
         counts = count_expert_num_tokens(recv[1], placement.num_local_experts, placement.expert_map)
@@ -276,7 +313,7 @@ class All2AllPrepareFinalize(PrepareFinalize):
         """After a ``check="deferred"`` step: raise what the last dispatch's flags say (a host sync)."""
         h = self.last_handle
         if isinstance(h, capacity.CapacityHandle):
-            capacity.raise_for(h.flags, h.C, h.placement.global_num_experts)
+            capacity.raise_for(h.flags, h.C, h.placement.global_num_experts, rank=dist.get_rank(self.group))
 
     def finalize(self, fused_out: torch.Tensor, prepared: Prepared, *, output: torch.Tensor) -> torch.Tensor:
         if isinstance(prepared.handle, capacity.CapacityHandle):
@@ -299,6 +336,13 @@ class All2AllPrepareFinalize(PrepareFinalize):
         per_slot = torch.zeros((h.M * h.topk, K), dtype=torch.float32, device=output.device)
         per_slot[h.pairs] = back.float()  # -1 slots stay 0
         return weight_and_reduce(per_slot.view(h.M, h.topk, K), h.topk_weights, output)
+
+
+def _group_device(group) -> torch.device:
+    """Where this group's tensors live: the current GPU for NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _bounds(sizes) -> list[tuple[int, int]]:

@@ -43,15 +43,15 @@ class PrepareFinalize(ABC):
     ) -> Prepared:
         """Quantize as ``quant`` asks (and dispatch); return what the experts consume."""
 
-    def refuse(self, error: Exception) -> None:
-        """Called by the modular kernel when its door rejects this rank's inputs, before it raises
-        ``error``. A collective stage tells its peers, so that they raise too, within its timeout;
-        the default does nothing."""
-        return None
-
     @abstractmethod
     def finalize(self, fused_out: torch.Tensor, prepared: Prepared, *, output: torch.Tensor) -> torch.Tensor:
         """Weight by topk_weights and reduce over topk into ``output [M, K]``; return it."""
+
+    def refuse(self, error: Exception) -> None:
+        """Called by the modular kernel when its door rejects this rank's inputs (with ``error``,
+        which it raises next); a collective stage tells its peers so that they raise too, within
+        its timeout. The default does nothing. It must not raise: the caller's error comes first."""
+        return None
 
     def __repr__(self) -> str:
         return f"{self.name}()"

@@ -8,8 +8,8 @@ graph::
       owner[m, j] = rank owning topk_ids[m, j] (-1: empty slot)
       for each destination d: the tokens with a slot on d, in token order, at rows 0.. of block d
           (a token goes once to each rank it needs, not once per slot)
-      send rows [W, C, K], their ids [W, C, topk] (slots on d, else -1), the router weights of
-          those slots [W, C, topk], and a flag row (this rank's M > C, bad ids)
+      send rows [W, C, K], their int32 ids [W, C, topk] (slots on d, else -1), the router weights
+          of those slots [W, C, topk], and a flag row (this rank's M > C, bad ids, refused)
       all_to_all x 4 (equal splits)  ->  R = W * C rows for this rank's experts
     experts: unweighted [R, topk, K] (zeros for slots that are not this rank's, and empty rows)
     finalize
@@ -26,7 +26,9 @@ before the experts run, and raises CapacityError / InvalidIdsError on every rank
 written to the caller's tensors; ``check="deferred"`` reads nothing, so the step can be captured,
 and :meth:`All2AllPrepareFinalize.raise_if_failed` raises afterwards. A rank whose own M is
 beyond C knows it on the host: it still joins every collective (sending its first C tokens) and
-raises CapacityError in finalize, without writing the output.
+raises CapacityError in finalize, without writing the output. A rank whose inputs the modular
+kernel's door rejected after the first call sends empty blocks flagged "refused"
+(:func:`refused_blocks`), so that the peers raise its error class instead of waiting for it.
 """
 
 from __future__ import annotations
@@ -36,8 +38,27 @@ from dataclasses import dataclass
 import torch
 
 from moekit.errors import CapacityError, InvalidIdsError
+from moekit.prepare_finalize.agreement import WIRE_IDS, refusal_error
+from moekit.types import QuantScheme
 
-OVERFLOW, BAD_IDS = 0, 1  # columns of the flag rows
+OVERFLOW, BAD_IDS, REFUSED = 0, 1, 2  # columns of the flag rows (REFUSED holds a refusal code)
+FLAGS = 3
+
+
+@dataclass(frozen=True)
+class Layer:
+    """What one agreement covered: while a call's layer equals the last agreed one, nothing is exchanged
+    but the blocks (and a refusing rank can build blocks of the size its peers expect)."""
+
+    dtype: torch.dtype
+    K: int
+    E: int
+    E_local: int
+    topk: int
+    quant: QuantScheme
+    map_hash: int
+    C: int
+    check: str
 
 
 @dataclass
@@ -47,7 +68,7 @@ class CapacityHandle:
     slot: torch.Tensor  # int64 [W, M]: row of token m in block d, or C (not sent there)
     M: int
     C: int
-    flags: torch.Tensor  # int64 [W, 2] received: each source's (overflow, bad ids)
+    flags: torch.Tensor  # int64 [W, FLAGS] received: each source's (overflow, bad ids, refused)
     recv_ids: torch.Tensor  # [W * C, topk] received global ids (-1: not here)
     recv_weights: torch.Tensor  # fp32 [W * C, topk]: the router weights of those slots
     placement: object  # the ExpertPlacement of this rank
@@ -92,17 +113,36 @@ def pack(hidden_wire, scale, topk_ids, topk_weights, placement, agreed, C: int, 
 
     rows = block(hidden_wire[token], 0, (hidden_wire.shape[1],))
     scales = None if scale is None else block(scale[token], 0, (scale.shape[1],))
-    slot_ids = torch.where(mine, ids.unsqueeze(0), -1).view(world * M, topk).to(topk_ids.dtype)
+    slot_ids = torch.where(mine, ids.unsqueeze(0), -1).view(world * M, topk).to(WIRE_IDS)  # valid ids fit
     weights = torch.where(mine, topk_weights.float().unsqueeze(0), 0.0).view(world * M, topk)
-    flags = torch.zeros(world, 2, dtype=torch.int64, device=device)
+    flags = torch.zeros(world, FLAGS, dtype=torch.int64, device=device)
     flags[:, OVERFLOW] = int(M > C)
     flags[:, BAD_IDS] = ((ids < -1) | (ids >= E)).any().long()
     return rows, scales, block(slot_ids, -1, (topk,)), block(weights, 0.0, (topk,)), flags, row
 
 
-def raise_for(flags: torch.Tensor, C: int, E: int) -> None:
-    """Raise on every rank for what the flag rows say (reads them: a host sync)."""
+def refused_blocks(layer: Layer, world: int, code: int, device):
+    """The send buffers of a rank that refused its inputs: no rows, ids all -1, REFUSED = ``code``.
+    Same order and sizes as :func:`pack`'s (rows, ids, weights, flags, scales or None)."""
+    from moekit.quant import FP8_GROUP
+
+    R, fp8 = world * layer.C, layer.quant is QuantScheme.FP8_BLOCK
+    rows = torch.zeros((R, layer.K), dtype=torch.uint8 if fp8 else layer.dtype, device=device)
+    ids = torch.full((R, layer.topk), -1, dtype=WIRE_IDS, device=device)
+    weights = torch.zeros((R, layer.topk), dtype=torch.float32, device=device)
+    flags = torch.zeros((world, FLAGS), dtype=torch.int64, device=device)
+    flags[:, REFUSED] = code
+    groups = -(-layer.K // FP8_GROUP)
+    scales = torch.zeros((R, groups), dtype=torch.float32, device=device) if fp8 else None
+    return rows, ids, weights, flags, scales
+
+
+def raise_for(flags: torch.Tensor, C: int, E: int, *, rank: int) -> None:
+    """Raise on every rank (this is ``rank``) for what the flag rows say (reads them: a host sync)."""
     f = flags.cpu()
+    refused = {r: int(f[r, REFUSED]) for r in f[:, REFUSED].nonzero().flatten().tolist()}
+    if refused:
+        raise refusal_error(refused, rank)
     over = f[:, OVERFLOW].nonzero().flatten().tolist()
     if over:
         raise CapacityError(
@@ -125,4 +165,4 @@ def unpack(back: torch.Tensor, handle: CapacityHandle, output: torch.Tensor) -> 
     return output.copy_(total.to(output.dtype))
 
 
-__all__ = ["CapacityHandle", "pack", "raise_for", "unpack"]
+__all__ = ["CapacityHandle", "Layer", "pack", "raise_for", "refused_blocks", "unpack"]

@@ -86,9 +86,11 @@ def test_a2_scale_on_fp8_experts_is_one_or_one_per_token():
     experts, sizes, weights = TritonExperts(quant=QuantScheme.FP8_BLOCK), sizes_of(p), weights_of(p)
     experts.check(sizes, weights, a2_scale=torch.rand(1) + 0.5)
     experts.check(sizes, weights, a2_scale=torch.rand(M) + 0.5)
-    for n in (2, M + 1):
-        with expect_raises(QuantizationError, match=rf"1 \(per tensor\) or M={M} \(per token\).*\({n},\)"):
-            experts.check(sizes, weights, a2_scale=torch.rand(n) + 0.5)
+    experts.check(sizes, weights, a2_scale=torch.rand(M, 1) + 0.5)
+    for shape in ((2,), (M + 1,), (1, M), (M, 2)):  # a [1, M] scale would be sliced along the wrong axis
+        with expect_raises(QuantizationError, match=rf"per tensor\) or one per token, \[M={M}\] or \[M, 1\], got "
+                                                    rf"\({', '.join(map(str, shape))},?\)"):  # fmt: skip
+            experts.check(sizes, weights, a2_scale=torch.rand(*shape) + 0.5)
     with expect_raises(QuantizationError, match="float tensor, got Tensor"):
         experts.check(sizes, weights, a2_scale=torch.randint(1, 4, (1,)))
     with expect_raises(QuantizationError, match="float tensor, got float"):

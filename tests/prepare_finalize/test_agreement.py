@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from moekit.distributed import launch
-from moekit.errors import InvalidInputError
-from moekit.prepare_finalize.agreement import Agreement, Placement
+from moekit.errors import InvalidIdsError, InvalidInputError, MoekitError, QuantizationError
+from moekit.prepare_finalize.agreement import Agreement, Dispatch, Placement
 from moekit.routing import contiguous_expert_map
 from moekit.types import ExpertPlacement, QuantScheme
 
@@ -79,13 +79,22 @@ def disagreements(rank: int, world: int) -> dict:
         "local ids": dict(placement=ExpertPlacement(8, 4, contiguous_expert_map(8, 2, rank) * (1 + rank))),
         "no map": dict(placement=ExpertPlacement(8, 4, None)),
     }
+    dispatches = {  # stages built differently on rank 1
+        "mode": Dispatch("capacity", 4) if rank else Dispatch(),
+        "capacity": Dispatch("capacity", 8 if rank else 4),
+        "check": Dispatch("capacity", 4, "deferred" if rank else "sync"),
+    }
+    cases |= {what: dict(dispatch=d) for what, d in dispatches.items()}
+    cases["no map on rank 1"] = dict(placement=ExpertPlacement(8, 4, None) if rank else placement)
     for what, change in cases.items():
         kw = {"hidden": torch.randn(3, 8), "topk": 2, "quant": NONE, "placement": placement} | change
+        a.dispatch = kw.get("dispatch", Dispatch())
         try:
             a.check(kw["hidden"], kw["topk"], kw["quant"], kw["placement"])
             out[what] = "no error"
         except InvalidInputError as e:
             out[what] = str(e)
+    a.dispatch = Dispatch()
     out["then"] = described(a.check(torch.randn(3, 8), 2, NONE, placement))["sizes"]  # still in step
     return out
 
@@ -101,5 +110,38 @@ def test_ranks_that_disagree_all_raise_a_named_error():
         assert "quant scheme: rank(s) [1]" in got["quant"], got["quant"]
         assert "experts [0, 1, 2, 3, 4, 5, 6, 7] have [2, 2, 2, 2, 0, 0, 0, 0] owners" in got["two owners"]
         assert "rank 1's map gives local ids [0, 2, 4, 6] for its 4 experts" in got["local ids"], got["local ids"]
-        assert f"rank {rank} of 2 got no expert_map" in got["no map"], got["no map"]
+        assert f"rank(s) [0, 1] of 2 got no expert_map (seen from rank {rank})" in got["no map"], got["no map"]
+        # Before: the rank without a map raised alone, and the other waited in the map gather.
+        assert "rank(s) [1] of 2 got no expert_map" in got["no map on rank 1"], got["no map on rank 1"]
+        # Before: the dispatch was not in the header (exact on one rank, capacity on another).
+        assert "dispatch mode: rank(s) [1] have capacity where the others have exact" in got["mode"], got["mode"]
+        assert "max_tokens_per_rank: rank(s) [1] have 8 where the others have 4" in got["capacity"], got
+        assert "capacity check: rank(s) [1] have deferred where the others have sync" in got["check"], got
         assert got["then"] == (4, 4)
+
+
+def refusals(rank: int, world: int) -> list[str]:
+    """Rank 1 (then ranks 0 and 2) refuse; the others' check raises the refusing rank's error class."""
+    a, got = Agreement(None, timeout_s=10), []
+    placement = ExpertPlacement(6, 2, contiguous_expert_map(6, world, rank))
+    for refusing, error in (({1}, InvalidIdsError("bad ids")), ({0, 2}, QuantizationError("bad scales"))):
+        try:
+            if rank in refusing:
+                a.refuse(error, "cpu")
+                got.append("refused")
+            else:
+                a.check(torch.randn(2, 8), 2, NONE, placement)
+                got.append("no error")
+        except MoekitError as e:
+            got.append(f"{type(e).__name__}: {str(e).split(';')[0]}")
+    got.append(f"then: {a.check(torch.randn(2, 8), 2, NONE, placement).sizes}")
+    return got
+
+
+def test_a_refusing_rank_makes_the_others_raise_its_error_class():
+    r0, r1, r2 = launch(refusals, 3, backend="gloo", timeout_s=TIMEOUT)
+    ids = "InvalidIdsError: rank(s) [1] rejected their inputs before the dispatch ({1: 'InvalidIdsError'})"
+    quant = ("QuantizationError: rank(s) [0, 2] rejected their inputs before the dispatch "
+             "({0: 'QuantizationError', 2: 'QuantizationError'})")  # fmt: skip
+    then = "then: (2, 2, 2)"
+    assert (r0, r1, r2) == ([ids, "refused", then], ["refused", quant, then], [ids, "refused", then]), (r0, r1, r2)

@@ -43,11 +43,17 @@ def _inputs(Ms, E, topk, K, seed, id_dtype):
     return hidden, weights, ids
 
 
+ID_DTYPES = (torch.int16, torch.int32, torch.int64)
+
+
 def stage_cases(rank: int, world: int, cases: list[tuple]) -> list[str]:
-    """Rank function: prepare -> identity experts -> finalize; returns one problem string per failure."""
+    """Rank function: prepare -> identity experts -> finalize; returns one problem string per failure.
+
+    The ranks' ids dtypes differ (rank r passes ``ID_DTYPES[(shift + r) % 3]``): ids travel as int32."""
     problems = []
-    for Ms, E, topk, quant, id_dtype in cases:
+    for Ms, E, topk, quant, shift in cases:
         K = 256 if quant is QuantScheme.FP8_BLOCK else 24
+        id_dtype = ID_DTYPES[(shift + rank) % 3]
         hidden, weights, ids = _inputs(Ms, E, topk, K, seed=len(problems) + E + topk, id_dtype=id_dtype)
         s, e = sum(Ms[:rank]), sum(Ms[: rank + 1])
         El = E // world
@@ -57,8 +63,8 @@ def stage_cases(rank: int, world: int, cases: list[tuple]) -> list[str]:
         R = prep.a1q.shape[0]
         got_ids = prep.topk_ids.view(-1).long()
         local = got_ids - rank * El
-        tag = f"rank {rank} Ms={Ms} E={E} topk={topk} {quant.value}"
-        if prep.topk_ids.dtype != id_dtype or tuple(prep.topk_ids.shape) != (R, 1):
+        tag = f"rank {rank} Ms={Ms} E={E} topk={topk} {quant.value} {id_dtype}"
+        if prep.topk_ids.dtype != torch.int32 or tuple(prep.topk_ids.shape) != (R, 1):
             problems.append(f"{tag}: ids {prep.topk_ids.dtype} {tuple(prep.topk_ids.shape)}")
         if R and not bool(((local >= 0) & (local < El)).all()):
             problems.append(f"{tag}: received ids {got_ids.tolist()} not owned")
@@ -86,7 +92,7 @@ def stage_cases(rank: int, world: int, cases: list[tuple]) -> list[str]:
 def _stage_matrix(world):
     quants = (QuantScheme.NONE, QuantScheme.FP8_BLOCK)
     grid = itertools.product(MS[world], (8, 16), (1, 2, 4), quants)
-    return [(Ms, E, topk, q, (torch.int32, torch.int64)[i % 2]) for i, (Ms, E, topk, q) in enumerate(grid)]
+    return [(Ms, E, topk, q, i % 3) for i, (Ms, E, topk, q) in enumerate(grid)]
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -169,11 +175,12 @@ def bad_inputs(rank: int, world: int) -> list[str]:
             pf.prepare(hidden, weights, ids, quant=QuantScheme.NONE, placement=placement)
         except InvalidInputError as e:
             caught.append(f"{what}: {type(e).__name__}" + (" owners" if "owner" in str(e) else ""))
-    try:
-        placement = ExpertPlacement(4, 2, contiguous_expert_map(4, world, rank))
-        pf.prepare(hidden, weights, ids + 4 * (rank == 0), quant=QuantScheme.NONE, placement=placement)
-    except InvalidIdsError as e:
-        caught.append(f"id >= E: {type(e).__name__} {'rank(s) [0]' in str(e)}")
+    placement = ExpertPlacement(4, 2, contiguous_expert_map(4, world, rank))
+    for what, bad in (("id >= E", ids + 4), ("id == E", ids.clamp(max=3) + (ids == 3)), ("id -2", ids - 2)):
+        try:  # rank 0 only: the count travels with the split sizes
+            pf.prepare(hidden, weights, bad if rank == 0 else ids, quant=QuantScheme.NONE, placement=placement)
+        except InvalidIdsError as e:
+            caught.append(f"{what}: {type(e).__name__} {'rank(s) [0]' in str(e)}")
     # The stage is still usable afterwards: the failed call left no exchange half done.
     out = pf.prepare(hidden, weights, ids, quant=QuantScheme.NONE, placement=placement)
     caught.append(f"then ok: {out.a1q.shape[0] > 0}")
@@ -187,6 +194,8 @@ def test_bad_inputs_raise_named_errors():
         "two owners: InvalidInputError owners",
         "no owner: InvalidInputError owners",
         "id >= E: InvalidIdsError True",
+        "id == E: InvalidIdsError True",
+        "id -2: InvalidIdsError True",  # before: treated as an empty slot here, an error in capacity mode
         "then ok: True",
     ]
 
@@ -240,3 +249,124 @@ def test_uneven_expert_placement_over_three_ranks():
     results = launch(uneven_placement, 3, backend="gloo", args=(8,), timeout_s=TIMEOUT)
     assert [len(meta) for _, _, meta in results] == [3, 3, 2]
     assert all(err is None and close for err, close, _ in results), results
+
+
+# ---------------------------------------------------------------------------------------------
+# One rank's inputs are bad at the modular kernel's door (issue 25, item 7). Before, that rank
+# raised alone and its peers waited in the agreement's all_gather until the launcher's deadline.
+
+BAD = {  # what the bad rank passes instead of its good inputs, and the error its door raises
+    "ids out of range": ("InvalidIdsError", lambda a: {**a, "topk_ids": a["topk_ids"] + 100}),
+    "float ids": ("InvalidIdsError", lambda a: {**a, "topk_ids": a["topk_ids"].float()}),
+    "hidden K": ("InvalidInputError", lambda a: {**a, "hidden": a["hidden"][:, :16].contiguous()}),
+}
+
+
+def one_bad_rank(rank: int, world: int, bad_rank: int, stage: dict, warm: bool) -> list[tuple]:
+    """Every case once; each rank reports (case, error class, message mentions the bad rank, seconds), then
+    a good forward in the same group, which must match the reference (nothing left out of step)."""
+    import time
+
+    from moekit.errors import MoekitError
+    from moekit.experts import TritonExperts
+    from moekit.modular_kernel import ModularKernel
+    from moekit.testing import assert_close, make_problem
+
+    p = make_problem(4 * world, E=2 * world, topk=2, K=32, N=32, dtype=torch.float32, seed=5, device="cpu")
+    local, mine = p.shard(rank, world), slice(4 * rank, 4 * rank + 4)
+    good = dict(hidden=p.hidden[mine], w1=local.w1, w2=local.w2, topk_weights=p.topk_weights[mine],
+                topk_ids=p.topk_ids[mine])  # fmt: skip
+    kernel = ModularKernel(All2AllPrepareFinalize(timeout_s=3, **stage), TritonExperts())
+    run = lambda a: kernel(**a, expert_map=local.expert_map, global_num_experts=2 * world)
+    if warm:  # capacity mode then skips the agreement: the peers wait in the blocks' exchange instead
+        run(good)
+    got = []
+    for what, (_, corrupt) in BAD.items():
+        start = time.monotonic()
+        try:
+            run(corrupt(good) if rank == bad_rank else good)
+            if stage.get("check") == "deferred":
+                kernel.prepare_finalize.raise_if_failed()
+            got.append((what, "no error", False, time.monotonic() - start))
+        except MoekitError as e:
+            got.append((what, type(e).__name__, f"[{bad_rank}]" in str(e) or rank == bad_rank,
+                        time.monotonic() - start))  # fmt: skip
+    out = run(good)
+    kernel.prepare_finalize.raise_if_failed()
+    assert_close(out, p.reference(rows=mine), dtype=torch.float32)
+    return got
+
+
+STAGES = {"exact": ({}, False), "capacity, first call": (dict(mode="capacity", max_tokens_per_rank=4), False),
+          "capacity, agreed": (dict(mode="capacity", max_tokens_per_rank=4), True),
+          "capacity deferred, agreed": (dict(mode="capacity", max_tokens_per_rank=4, check="deferred"), True)}
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("stage", list(STAGES))
+@pytest.mark.parametrize("world, bad_rank", [(2, 1), (3, 0)])
+def test_one_bad_rank_makes_every_rank_raise_within_timeout(world, bad_rank, stage):
+    kwargs, warm = STAGES[stage]
+    per_rank = launch(one_bad_rank, world, backend="gloo", args=(bad_rank, kwargs, warm), timeout_s=TIMEOUT)
+    for rank, got in enumerate(per_rank):
+        for what, name, names_rank, seconds in got:
+            want = BAD[what][0]
+            assert name == want and names_rank, f"rank {rank}, {what}: {name} (want {want} naming rank {bad_rank})"
+            assert seconds < 3, f"rank {rank}, {what}: raised after {seconds:.1f} s (timeout_s=3)"
+
+
+def mixed_id_dtypes(rank: int, world: int) -> list[str]:
+    """The whole layer, both modes, rank r's router giving ``ID_DTYPES[r]`` ids (int16 included)."""
+    from moekit.experts import TritonExperts
+    from moekit.modular_kernel import ModularKernel
+    from moekit.testing import make_problem
+
+    p = make_problem(5 * world, E=2 * world, topk=2, K=32, N=32, dtype=torch.float32, seed=7, empty_every=3,
+                     device="cpu")  # fmt: skip
+    local, mine = p.shard(rank, world), slice(5 * rank, 5 * rank + 5)
+    got = []
+    for stage in ({}, dict(mode="capacity", max_tokens_per_rank=5)):
+        kernel = ModularKernel(All2AllPrepareFinalize(timeout_s=30, **stage), TritonExperts())
+        out = kernel(p.hidden[mine], local.w1, local.w2, p.topk_weights[mine], p.topk_ids[mine].to(ID_DTYPES[rank]),
+                     expert_map=local.expert_map, global_num_experts=2 * world)  # fmt: skip
+        err = float((out - p.reference(rows=mine)).abs().max())
+        got.append(f"{stage.get('mode', 'exact')}: {err < 1e-4}")
+    return got
+
+
+@pytest.mark.interpreter
+def test_ranks_may_pass_ids_of_different_dtypes():
+    # Before: an int32 sender and an int64 receiver gave a wrong answer, the other way gloo aborted,
+    # and int16 ids failed every forward.
+    results = launch(mixed_id_dtypes, 3, backend="gloo", timeout_s=TIMEOUT)
+    assert results == [["exact: True", "capacity: True"]] * 3, results
+
+
+def test_refuse_never_hides_the_doors_error(monkeypatch):
+    """A failure to tell the peers becomes a note on the door's error; refuse itself never raises."""
+    import socket
+
+    import torch.distributed as dist
+
+    from moekit.prepare_finalize.agreement import Agreement
+
+    pf = All2AllPrepareFinalize(timeout_s=5)
+    door = InvalidIdsError("bad ids")
+    pf.refuse(door)  # no process group: nothing to tell
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    dist.init_process_group("gloo", rank=0, world_size=1, store=store)
+    try:
+        pf.refuse(door)  # one rank: the header exchange goes through
+
+        def broken(self, error, device):
+            raise DistributedError("all_gather of the agreement header timed out")
+
+        monkeypatch.setattr(Agreement, "refuse", broken)
+        pf.refuse(door)
+    finally:
+        dist.destroy_process_group()
+    assert door.__notes__ == ["moekit could not tell the other ranks (they raise after their timeout_s): "
+                              "all_gather of the agreement header timed out"], door.__notes__  # fmt: skip

@@ -108,11 +108,21 @@ def errors(rank: int, world: int) -> list[str]:
                      quant=QuantScheme.NONE, placement=placement)  # fmt: skip
     except CapacityError as e:
         got.append(f"sync: CapacityError {'rank(s) [1]' in str(e)}")
+    try:  # M = C + 1 on rank 1: the first count past the capacity
+        sync.prepare(hidden[: 5 if rank else 3], weights[: 5 if rank else 3], ids[: 5 if rank else 3],
+                     quant=QuantScheme.NONE, placement=placement)  # fmt: skip
+    except CapacityError as e:
+        got.append(f"C + 1: CapacityError {'rank(s) [1]' in str(e)}")
     try:  # an id beyond E on rank 0 only
         bad = ids[:3] + 4 * (rank == 0)
         sync.prepare(hidden[:3], weights[:3], bad, quant=QuantScheme.NONE, placement=placement)
     except InvalidIdsError as e:
         got.append(f"ids: InvalidIdsError {'rank(s) [0]' in str(e)}")
+    try:  # id == E exactly (E = 4), on rank 0 only
+        bad = torch.where((ids[:3] == 3) & (rank == 0), 4, ids[:3])
+        sync.prepare(hidden[:3], weights[:3], bad, quant=QuantScheme.NONE, placement=placement)
+    except InvalidIdsError as e:
+        got.append(f"id == E: InvalidIdsError {'rank(s) [0]' in str(e)}")
     prep = sync.prepare(hidden[:3], weights[:3], ids[:3], quant=QuantScheme.NONE, placement=placement)
     got.append(f"then ok: {prep.a1q.shape[0] == 4 * world}")
     sync.finalize(torch.zeros(4 * world, 2, 8), prep, output=torch.empty(3, 8))
@@ -135,7 +145,8 @@ def errors(rank: int, world: int) -> list[str]:
 @pytest.mark.interpreter
 def test_errors_travel_as_flags_and_every_rank_raises():
     r0, r1 = launch(errors, 2, backend="gloo", timeout_s=TIMEOUT)
-    common = ["sync: CapacityError True", "ids: InvalidIdsError True", "then ok: True"]
+    common = ["sync: CapacityError True", "C + 1: CapacityError True", "ids: InvalidIdsError True",
+              "id == E: InvalidIdsError True", "then ok: True"]  # fmt: skip
     assert r0 == [*common, "finalize: ok", "raise_if_failed: CapacityError"]
     assert r1 == [*common, "finalize: CapacityError, output untouched True", "raise_if_failed: CapacityError"]
 
@@ -143,8 +154,8 @@ def test_errors_travel_as_flags_and_every_rank_raises():
 def reads_nothing_back(rank: int, world: int) -> list[str]:
     """After a first call (the agreement), prepare and finalize never copy a tensor to the host."""
     Ms, E, topk = (4, 3), 8, 2
-    _, _, pf = _stage(rank, world, Ms, E, topk, seed=1)  # warm up: agree once
-    pf.check = "deferred"
+    pf = All2AllPrepareFinalize(mode="capacity", max_tokens_per_rank=4, check="deferred", timeout_s=60)
+    _stage(rank, world, Ms, E, topk, pf=pf, seed=1)  # warm up: agree once (the check mode is agreed on too)
     reads = []
     originals = {n: getattr(torch.Tensor, n) for n in ("item", "tolist", "cpu", "__bool__", "__int__")}
 
@@ -171,6 +182,34 @@ def reads_nothing_back(rank: int, world: int) -> list[str]:
 def test_after_the_first_call_nothing_is_read_back():
     results = launch(reads_nothing_back, 2, backend="gloo", timeout_s=TIMEOUT)
     assert results == [["reads: []", "close: True"]] * 2, results
+
+
+def stages_built_differently(rank: int, world: int) -> list[str]:
+    """Rank 1's stage differs from rank 0's in mode, capacity or check: both raise, and stay in step."""
+    placement = ExpertPlacement(4, 2, contiguous_expert_map(4, world, rank))
+    hidden, weights, ids = torch.randn(3, 8), torch.rand(3, 2), torch.tensor([[0, 1], [2, 3], [1, 0]])
+    capacity = dict(mode="capacity", max_tokens_per_rank=4, timeout_s=30)
+    got = []
+    for what, other in (("mode", dict(timeout_s=30)), ("capacity", {**capacity, "max_tokens_per_rank": 8}),
+                        ("check", {**capacity, "check": "deferred"})):  # fmt: skip
+        pf = All2AllPrepareFinalize(**(other if rank else capacity))
+        try:
+            pf.prepare(hidden, weights, ids, quant=QuantScheme.NONE, placement=placement)
+            got.append(f"{what}: no error")
+        except InvalidInputError as e:
+            got.append(f"{what}: {'rank(s) [1]' in str(e)} {str(e).split(':')[0]}")
+    pf = All2AllPrepareFinalize(**capacity)
+    got.append(f"then: {pf.prepare(hidden, weights, ids, quant=QuantScheme.NONE, placement=placement).a1q.shape[0]}")
+    return got
+
+
+def test_stages_built_differently_raise_on_every_rank():
+    # Before: exact mode on one rank and capacity on the other was not detected (and the
+    # capacity check mode not at all): mismatched collectives, gloo aborting or a hang.
+    results = launch(stages_built_differently, 2, backend="gloo", timeout_s=TIMEOUT)
+    assert results == [["mode: True the ranks disagree about the MoE layer's dispatch mode",
+                        "capacity: True the ranks disagree about the MoE layer's max_tokens_per_rank",
+                        "check: True the ranks disagree about the MoE layer's capacity check", "then: 8"]] * 2, results
 
 
 def test_bad_constructor_arguments():
