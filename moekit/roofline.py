@@ -20,15 +20,15 @@ benchmarks, beside the measurements they bound).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from moekit.errors import InvalidInputError
-from moekit.quant import FP8_GROUP
-from moekit.types import QuantScheme
+import torch
 
-_WEIGHT_BYTES = {QuantScheme.NONE: 2, QuantScheme.FP8_BLOCK: 1}
+from moekit.errors import InvalidInputError
+from moekit.quant import FP8
+from moekit.types import QuantScheme, expert_bytes
+
 _ACT_BYTES = 2  # activations enter and leave in bf16 (fp8 quantization happens inside the layer)
 
 
@@ -49,12 +49,8 @@ class LayerShape:
     def expert_bytes(self, quant: QuantScheme) -> int:
         """Bytes of one expert's w1 and w2 (plus its 128x128 block scales for fp8)."""
         _check_quant(quant)
-        elems = self.N * self.K + self.K * self.I
-        scales = 0
-        if quant is QuantScheme.FP8_BLOCK:
-            blocks = lambda rows, cols: math.ceil(rows / FP8_GROUP) * math.ceil(cols / FP8_GROUP)
-            scales = 4 * (blocks(self.N, self.K) + blocks(self.K, self.I))
-        return elems * _WEIGHT_BYTES[quant] + scales
+        fp8 = quant is QuantScheme.FP8_BLOCK
+        return expert_bytes(self.N, self.K, FP8 if fp8 else torch.bfloat16, scaled=fp8)
 
 
 SHAPES: dict[str, LayerShape] = {

@@ -34,6 +34,10 @@ from moekit.device import interpreting
 from moekit.errors import InvalidInputError
 from moekit.kernels.host_math import cdiv, next_power_of_2
 from moekit.quant import FP8, FP8_GROUP
+from moekit.types import ALIGN_M
+
+LAYOUT_ROWS = tl.constexpr(ALIGN_M)  # rows of one expert's block of the layout (a compile-time global)
+GROUP = tl.constexpr(FP8_GROUP)
 
 
 @dataclass(frozen=True)
@@ -47,8 +51,8 @@ class GemmConfig:
     num_stages: int = 4
 
     def __post_init__(self):
-        if self.block_m <= 0 or FP8_GROUP % self.block_m:
-            raise InvalidInputError(f"block_m must divide {FP8_GROUP}, got {self.block_m}")
+        if self.block_m <= 0 or ALIGN_M % self.block_m:
+            raise InvalidInputError(f"block_m must divide {ALIGN_M}, got {self.block_m}")
         if self.block_n not in (16, 32, 64, 128, 256):
             raise InvalidInputError(f"block_n must be a power of two in [16, 256], got {self.block_n}")
 
@@ -92,7 +96,7 @@ def _contiguous_gemm_kernel(
         # block_rows counts the rows with data at the start of each 128-row block. Tiles of
         # pure padding skip the K loop; padding rows of other tiles read zeros, so every
         # padding row of ``out`` is exactly 0 (never NaN from stale workspace bytes).
-        filled = tl.load(block_rows_ptr + r0 // 128) - r0 % 128
+        filled = tl.load(block_rows_ptr + r0 // LAYOUT_ROWS) - r0 % LAYOUT_ROWS
         k_steps = tl.where(filled > 0, k_steps, 0)
         m_ok = tl.arange(0, BLOCK_M) < filled
     else:
@@ -102,7 +106,7 @@ def _contiguous_gemm_kernel(
     a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
     b_ptrs = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
     as_ptrs = a_scale_ptr + offs_m * stride_asm
-    bs_ptrs = b_scale_ptr + expert * stride_bse + (offs_n // 128) * stride_bsn
+    bs_ptrs = b_scale_ptr + expert * stride_bse + (offs_n // GROUP) * stride_bsn
     n_ok = offs_n < N
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -175,8 +179,8 @@ def contiguous_gemm(
     problems = []
     if a.dtype != FP8 or b.dtype != FP8:
         problems.append(f"a and b must be float8_e4m3fn, got {a.dtype} and {b.dtype}")
-    if M_sum % FP8_GROUP:
-        problems.append(f"a must have a multiple of {FP8_GROUP} rows, got {M_sum}")
+    if M_sum % ALIGN_M:
+        problems.append(f"a must have a multiple of {ALIGN_M} rows, got {M_sum}")
     if a.stride(1) != 1 or not b.is_contiguous():
         problems.append(f"a needs a unit column stride and b must be contiguous, got {a.stride()} and {b.stride()}")
     if tuple(a_scale.shape) != (M_sum, G_k) or a_scale.dtype != torch.float32:
@@ -185,8 +189,8 @@ def contiguous_gemm(
         problems.append(f"b_scale must be float32 {(E, G_n, G_k)} row-major, got {b_scale.dtype} {tuple(b_scale.shape)}")
     if m_indices.dtype != torch.int32 or m_indices.numel() != M_sum:
         problems.append(f"m_indices must be int32 [{M_sum}], got {m_indices.dtype} {tuple(m_indices.shape)}")
-    if block_rows is not None and (block_rows.dtype != torch.int32 or block_rows.numel() != M_sum // FP8_GROUP):
-        problems.append(f"block_rows must be int32 [{M_sum // FP8_GROUP}], got {block_rows.dtype} {tuple(block_rows.shape)}")
+    if block_rows is not None and (block_rows.dtype != torch.int32 or block_rows.numel() != M_sum // ALIGN_M):
+        problems.append(f"block_rows must be int32 [{M_sum // ALIGN_M}], got {block_rows.dtype} {tuple(block_rows.shape)}")
     if out is None:
         out = torch.empty(M_sum, N, dtype=torch.bfloat16, device=a.device)
     elif tuple(out.shape) != (M_sum, N) or out.stride(1) != 1:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 
 import torch
 
-from moekit.quant import FP8, FP8_GROUP
+from moekit.quant import FP8
+from moekit.types import expert_bytes
 from moekit.viz._figure import axes_or_new, colors, enumerate2d, integer_ticks, kib, plain_ticks, to_numpy
 
 
@@ -39,15 +39,9 @@ def weight_bytes_read(counts: torch.Tensor, bytes_per_expert: int) -> int:
 
 
 def expert_weight_bytes(N: int, K: int, *, dtype: torch.dtype = torch.bfloat16) -> int:
-    """Bytes of one expert's w1 ``[N, K]`` and w2 ``[K, N/2]`` (plus 128x128 scales for fp8)."""
-    item = torch.empty((), dtype=dtype).element_size()
-    elems = N * K + K * (N // 2)
-    scales = 0
-    if dtype == FP8:
-        g = FP8_GROUP
-        blocks = math.ceil(N / g) * math.ceil(K / g) + math.ceil(K / g) * math.ceil(N / 2 / g)
-        scales = 4 * blocks
-    return elems * item + scales
+    """Bytes of one expert's w1 ``[N, K]`` and w2 ``[K, N/2]`` (plus 128x128 scales for fp8):
+    :func:`moekit.types.expert_bytes`."""
+    return expert_bytes(N, K, dtype, scaled=dtype == FP8)
 
 
 def plot_tokens_per_expert(counts, *, ax=None, title: str = "tokens per expert", label: str | None = None):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from moekit.errors import ExerciseFailed
+from moekit.types import ALIGN_M
 from moekit.workbook.probes import is_view_of
 
 MS = (0, 1, 2, 7, 128, 130, 257)
@@ -176,7 +177,7 @@ def check_row_plan(row_chunk_plan) -> int:
             gaps = any(a[1] != b[0] for a, b in zip(plan, plan[1:], strict=False))
             if plan and (plan[0][0] != 0 or plan[-1][1] != total or gaps):
                 fail(f"row_chunk_plan({counts.tolist()}, R={R}) gave {_short(plan)}: the chunks must tile [0, {total})")
-            if any(e - s > R or e <= s for s, e in plan) or any(s % 128 for s, _ in plan):
+            if any(e - s > R or e <= s for s, e in plan) or any(s % ALIGN_M for s, _ in plan):
                 fail(f"row_chunk_plan(..., R={R}) gave {_short(plan)}: every chunk must hold 1..R rows and start on "
                      "a 128-row block")  # fmt: skip
             if len(plan) != -(-total // R) or (not plan and total):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from moekit.types import ALIGN_M
 
-def row_chunk_plan(counts, R, block=128):
+
+def row_chunk_plan(counts, R, block=ALIGN_M):
     """``[(start, end), ...]`` of sorted-layout rows, at most R each (R a multiple of ``block``),
     covering every expert's padded run (expert e's rows come after expert e-1's)."""
     total = sum((int(c) + block - 1) // block * block for c in counts)
