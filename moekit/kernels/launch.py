@@ -43,6 +43,7 @@ from moekit.device import interpreting
 # Triton 3.6 (what the H200 runs, where it is tested) and 3.9 (the pin of the CPU suite).
 _CONVENTION = ((3, 6), (3, 9))
 _VERIFY = contextvars.ContextVar("moekit_verify_launches", default=False)
+_RUNTIME = triton.knobs.runtime  # launch_enter_hook: a HookChain in 3.6-3.9, empty unless a profiler listens
 _MAX_KEYS = 4096  # kept variants per launcher
 
 
@@ -111,9 +112,10 @@ class LeanLauncher:
 
     def __call__(self, grid: tuple, args: tuple, *, key, constexprs: Callable[[], dict],
                  stream: tuple[int, int] | None = None) -> None:  # fmt: skip
-        """Launch ``fn[grid](*args, **constexprs())``; ``args`` are the runtime arguments in order."""
-        variant = self._variants.get(key) if self._direct else None
-        if variant is None or _hooked():
+        """Launch ``fn[grid](*args, **constexprs())``; ``args`` are the runtime arguments in order, ``grid``
+        has one or two dimensions."""
+        variant = self._variants.get(key)
+        if variant is None or _RUNTIME.launch_enter_hook.calls:  # a profiler's hook: Triton's own path
             self._plain(grid, args, key, constexprs())
             return
         device, raw = stream if stream is not None else launch_stream()
@@ -123,8 +125,8 @@ class LeanLauncher:
         if _VERIFY.get():
             self._verify(variant, args, constexprs())
         c = variant.compiled
-        g = grid + (1,) * (3 - len(grid))
-        c.run(g[0], g[1], g[2], raw, c.function, c.packed_metadata, None, None, None, *args, *variant.tail)
+        c.run(grid[0], grid[1] if len(grid) > 1 else 1, 1, raw, c.function, c.packed_metadata, None, None, None,
+              *args, *variant.tail)  # fmt: skip
 
     def _plain(self, grid, args, key, consts: dict) -> None:
         compiled = self.fn[grid](*args, **consts)
@@ -162,9 +164,8 @@ class LeanLauncher:
 
 def _hooked() -> bool:
     """Whether a launch hook listens (a profiler): then every launch takes Triton's own path."""
-    hook = triton.knobs.runtime.launch_enter_hook  # an empty HookChain in 3.6-3.9, None in older ones
-    calls = getattr(hook, "calls", None)
-    return hook is not None and (calls is None or len(calls) > 0)
+    hook = _RUNTIME.launch_enter_hook  # an empty HookChain in 3.6-3.9 (None in older ones: no lean path there)
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 def aligned(*tensors: torch.Tensor | None) -> bool:
