@@ -102,6 +102,7 @@ def test_trace_records_backend_per_chunk_and_counts():
     assert "backend" in trace.table() and trace.peak_workspace_bytes > 0
 
 
+@pytest.mark.interpreter
 def test_zero_tokens_returns_empty_without_calling_experts():
     x, w1, w2, tw, ti = problem(M=0)
     experts = SwitchingTorchExperts()

@@ -131,10 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", type=int, metavar="N", help="exit 1 if the total code lines exceed N")
     ap.add_argument("--keep-fmt-directives", action="store_true", help="let `# fmt: skip|off` keep their layout")
     args = ap.parse_args(argv)
-    if not args.ruff:
-        raise SystemExit("size_table: expected a ruff executable (pip install ruff, or --ruff PATH), found none")
     if not args.package.is_dir():
         raise SystemExit(f"size_table: expected a package folder, got {args.package}")
+    if not args.ruff:
+        raise SystemExit("size_table: expected a ruff executable (pip install ruff, or --ruff PATH), found none")
     config = args.package.parent / "pyproject.toml"
     with tempfile.TemporaryDirectory() as tmp:
         copy = formatted_copy(args.package, Path(tmp), ruff=args.ruff, config=config if config.is_file() else None,

@@ -74,6 +74,7 @@ def test_prepare_quantizes_fp8_per_group():
         assert torch.equal(p.a1q_scale[e, :n], s[tokens])
 
 
+@pytest.mark.interpreter
 def test_capacity_error_before_any_write():
     M, K, E = 8, 16, 4
     hidden, weights, ids = _inputs(M, K, E, 2)

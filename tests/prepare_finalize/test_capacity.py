@@ -203,6 +203,7 @@ def stages_built_differently(rank: int, world: int) -> list[str]:
     return got
 
 
+@pytest.mark.interpreter
 def test_stages_built_differently_raise_on_every_rank():
     # Before: exact mode on one rank and capacity on the other was not detected (and the
     # capacity check mode not at all): mismatched collectives, gloo aborting or a hang.
