@@ -275,20 +275,28 @@ class RowPlan(_Plan):
         total, R = (self.layout.sorted_token_ids.numel() if ids.numel() else 0), planner.chunk_size
         self.chunks = tuple(RowChunk(i, s, min(s + R, total), self.layout) for i, s in enumerate(range(0, total, R)))
         self.single = len(self.chunks) == 1
+        self._shapes: dict[int, WorkspaceShapes] = {}  # rows -> shapes: every chunk but the last has R
         whole = self.shapes(self.chunks[0], None) if self.chunks else experts.row_workspace_shapes(
             R, p, act_dtype=batch.prepared.a1q.dtype)  # fmt: skip
         self.output = pool.output(whole.output, batch.out_dtype)
-        self._padded_ids = None
+        self._counts = None
 
     def shapes(self, chunk: RowChunk, meta) -> WorkspaceShapes:
-        act = self.batch.prepared.a1q.dtype
-        return self.experts.row_workspace_shapes(chunk.size, self.batch.problem, act_dtype=act)
+        shapes = self._shapes.get(chunk.size)
+        if shapes is None:
+            act = self.batch.prepared.a1q.dtype
+            shapes = self._shapes[chunk.size] = self.experts.row_workspace_shapes(chunk.size, self.batch.problem,
+                                                                                 act_dtype=act)  # fmt: skip
+        return shapes
 
-    def chunk_ids(self, chunk: RowChunk) -> torch.Tensor:
-        if self._padded_ids is None:  # a padding row's pair (numel) has no expert
-            ids = self.batch.prepared.topk_ids
-            self._padded_ids = torch.cat([ids.reshape(-1), ids.new_full((1,), -1)])
-        return self._padded_ids[self.layout.sorted_token_ids[chunk.start : chunk.end]]
+    def count(self, chunk: RowChunk) -> torch.Tensor:
+        """This chunk's rows per local expert: a row of every chunk's counts, made by one launch."""
+        if self._counts is None:
+            from moekit.kernels.align import launch_chunk_counts
+
+            self._counts = launch_chunk_counts(self.layout, self.planner.chunk_size,
+                                               self.batch.placement.num_local_experts, stream=self.batch.stream)
+        return self._counts[chunk.index]
 
     def backend(self, chunk: RowChunk) -> str:
         return self.experts.backend_for(self.batch.problem.with_M(chunk.size))

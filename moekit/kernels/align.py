@@ -349,6 +349,46 @@ def _round32(n: int) -> int:
     return -(-n // 32) * 32  # pieces of the buffer start on 128-byte boundaries
 
 
+@triton.jit
+def _chunk_counts_kernel(
+    # Pointers
+    layout_ptr, out_ptr,
+    # Sizes
+    numel, expert_off, post_off, rows_per_chunk, num_local,
+    # Meta-parameters
+    BLOCK_M: tl.constexpr,
+):
+    # One program per block of the layout: its live rows go to its chunk's count of its expert.
+    b = tl.program_id(0)
+    row0 = b * BLOCK_M
+    if row0 < tl.load(layout_ptr + post_off):
+        expert = tl.load(layout_ptr + expert_off + b)
+        if expert >= 0:  # -1: another rank's expert (or kept empty slots)
+            pairs = tl.load(layout_ptr + row0 + tl.arange(0, BLOCK_M))
+            live = tl.sum((pairs < numel).to(tl.int32), axis=0)
+            tl.atomic_add(out_ptr + (row0 // rows_per_chunk) * num_local + expert, live, sem="relaxed")
+
+
+_CHUNK_COUNTS = LeanLauncher(_chunk_counts_kernel)
+
+
+def launch_chunk_counts(blocks: AlignedBlocks, rows_per_chunk: int, num_local: int, *,
+                        stream: tuple[int, int] | None = None) -> torch.Tensor:  # fmt: skip
+    """int32 ``[num_chunks, num_local]``: the pairs of every local expert in each chunk of
+    ``rows_per_chunk`` sorted rows of ``blocks`` (a multiple of ``blocks.block_m``); one launch for
+    every chunk of a plan, no host sync. Rows past the used ones (and padding rows) count nothing."""
+    num_chunks = cdiv(blocks.max_padded, rows_per_chunk)
+    out = torch.zeros((num_chunks, num_local), dtype=torch.int32, device=blocks.buffer.device)
+    if blocks.numel == 0 or num_chunks == 0:
+        return out
+    key = (blocks.block_m, int_spec(blocks.expert_offset), int_spec(blocks.post_offset), int_spec(rows_per_chunk),
+           int_spec(num_local))  # fmt: skip
+    _CHUNK_COUNTS((blocks.max_blocks,), (blocks.buffer, out, blocks.numel, blocks.expert_offset, blocks.post_offset,
+                                         rows_per_chunk, num_local), key=key, stream=stream,
+                  constexprs=lambda: dict(BLOCK_M=blocks.block_m))  # fmt: skip
+    return out
+
+
 def max_padded_size(numel: int, num_buckets: int, block_m: int) -> int:
     """Rows the layout can need: every non-empty bucket (at most ``min(numel, buckets)``) pads
     by less than ``block_m``; rounded up to whole blocks."""

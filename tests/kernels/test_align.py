@@ -7,6 +7,7 @@ import torch
 
 from moekit.errors import InvalidIdsError, InvalidInputError
 from moekit.kernels.align import TILE, max_padded_size, moe_align_block_size
+from moekit.routing import contiguous_expert_map
 from moekit.testing import expect_raises
 
 
@@ -183,3 +184,22 @@ def test_errors(device):
         moe_align_block_size(ids, 16, 4, torch.zeros(3, dtype=torch.int32, device=device))
     with expect_raises(InvalidIdsError, match="signed"):
         moe_align_block_size(ids.to(torch.uint8), 16, 4)
+
+
+@pytest.mark.parametrize("R", [128, 256, 384])
+@pytest.mark.parametrize("with_map", [False, True])
+def test_chunk_counts_are_each_chunks_own_rows_per_local_expert(R, with_map, device):
+    """One launch counts every chunk of R sorted rows; each row equals counting that chunk's pairs."""
+    from moekit.kernels.align import launch_chunk_counts
+    from moekit.reference import count_reference
+
+    E, num_local = 8, 4 if with_map else 8
+    ids = torch.randint(-1, E, (300, 2), dtype=torch.int32, device=device)
+    emap = contiguous_expert_map(E, 2, 1, device=device) if with_map else None
+    blocks = moe_align_block_size(ids, 128, E, emap, num_local_experts=num_local, keep_empty=True)
+    got = launch_chunk_counts(blocks, R, num_local).cpu()
+    padded = torch.cat([ids.reshape(-1), ids.new_full((1,), -1)])
+    for c in range(got.shape[0]):
+        rows = padded[blocks.sorted_token_ids[c * R : (c + 1) * R].long()]
+        assert torch.equal(got[c], count_reference(rows, num_local, emap).cpu().to(torch.int32)), c
+    assert torch.equal(got.sum(0), count_reference(ids, num_local, emap).cpu().to(torch.int32))
