@@ -1,7 +1,7 @@
 """Upstream's chunk loop as it was between PR #20392 and its removal, as strategies to plug in.
 
-vLLM's modular kernel kept its chunk loop for eight months after #20392 fixed it, and four
-more bugs lived in it (the reference's timeline). Each class below is one of those behaviours,
+vLLM's modular kernel kept its chunk loop for eight months after #20392 fixed it, and more bugs
+lived in it; four of them, from the reference's timeline, are here. Each class below is one,
 small enough to read beside the upstream change that fixed it, and plugs into a real
 :class:`moekit.ModularKernel` so that the real loop, experts and kernels meet the bug::
 
@@ -22,9 +22,10 @@ TokenPlannerBefore29935         the chunking kill switch read, then        #2993
                                 ignored: the loop asked the experts only
 ==============================  =========================================  ==================
 
-None of them is a default, and none raises anything of its own: each computes what upstream
-computed, and what fails is what failed there (Python's ZeroDivisionError, the locked pool's
-refusal to grow), or moekit's guard where running on would be undefined. ``one_rank_group``
+None of them is a default, and none raises to imitate a bug: each computes what upstream
+computed, and what fails is what failed there (Python's ZeroDivisionError; a locked workspace
+refusing to grow, the mechanism of upstream's WorkspaceManager, which moekit's pool lacks and
+:class:`LockablePool` adds), or moekit's guard where running on would be undefined. ``one_rank_group``
 gives a notebook one rank of a process group, so that a collective prepare/finalize (whose
 ranks join even with no tokens, as upstream's DeepEP ranks did) runs in one process.
 """
