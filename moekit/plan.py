@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moekit.errors import ChunkSizeError, InvalidInputError, WorkspaceShapeError
+from moekit.errors import ChunkSizeError, InvalidInputError, QuantizationError, WorkspaceShapeError
 from moekit.types import ALIGN_M, ExpertsCall, Prepared, ProblemSize, WorkspaceShapes
 
 if TYPE_CHECKING:
@@ -166,6 +166,9 @@ class TokenPlanner:
     def plan(self, experts, batch: Batch, pool) -> TokenPlan:
         return TokenPlan(self, experts, batch, pool)
 
+    # history hook: moekit.history.TokenPlannerBefore28728 overrides this to replay #24812's (e, e) slice.
+    slice_a2 = staticmethod(slice_scales)
+
     def shapes(self, experts, problem: ProblemSize, act: torch.dtype, meta) -> WorkspaceShapes:
         """``experts.workspace_shapes``, remembered when it depends on the sizes alone (no metadata).
 
@@ -218,7 +221,11 @@ class TokenPlan(_Plan):
             s, e = chunk.start, chunk.end
             factor = self.output.shape[0] // b.problem.M
             out, hidden, ids = self.output[s * factor : e * factor], pr.a1q[s:e], pr.topk_ids[s:e]
-            scale, a2 = slice_scales(pr.a1q_scale, s, e), slice_scales(b.a2_scale, s, e)
+            scale, a2 = slice_scales(pr.a1q_scale, s, e), self.planner.slice_a2(b.a2_scale, s, e)
+            if b.guard and a2 is not None and a2.numel() not in (1, e - s):  # moekit's guard (history: #28728)
+                raise QuantizationError(f"chunk {chunk.index} (tokens [{s}, {e})) was handed {a2.numel()} a2 scales "
+                                        f"for {e - s} tokens: a per-token a2_scale is sliced (s, e) per chunk. "
+                                        "(moekit's guard; upstream's #24812 sliced (e, e), fixed by #28728)")
         if b.guard and out.shape != shapes.output:
             raise WorkspaceShapeError(self._output_message(chunk, shapes, out))
         return self._call(chunk, out, hidden, scale, ids, self.sizes[chunk.index], buffers, shapes, counts, meta, a2,

@@ -35,6 +35,9 @@ OTHER_PARAMETERS = {
     # 09: M and C above 512; M=1 (the row plan declares more workspace than one chunk); a uniform router
     "09_row_chunks": [dict(M=530, C=520, R=1152, E=4, K=64, N=128), dict(M=1, C=1, R=128, E=4, K=64, N=128),
                       dict(M=300, C=32, R=256, E=8, K=64, N=128, skew=0.0)],
+    # 11: C and R above 512 (one token chunk; the counted reservation overflows); one token; topk=3 with
+    # token chunks of 9, where the profile run's routing already needs the most (nothing overflows)
+    "11_life_of_chunking": [dict(M=40, C=600, R=640), dict(M=1, C=1, R=128, E=4), dict(M=12, C=9, E=4, topk=3, seed=1)],
     # The workbook with the kit's solutions in place of the skeletons: every check must pass.
     "10_workbook": [dict(use_solutions=True)],
 }
