@@ -281,6 +281,30 @@ def test_fp8_experts_are_refused_and_training_warns():
     assert any("inference-only" in str(w.message) for w in caught)
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+def test_a_model_copies_after_a_moekit_forward(how):
+    # Issue 25, item 12: after one forward every layer holds a kernel and the shared pool (an RLock).
+    import copy
+    import io
+    import pickle
+
+    def saved(model):
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        return torch.load(buffer, weights_only=False)
+
+    model = tiny_model("qwen3_moe")
+    ids = torch.randint(3, 128, (1, 6), device=DEVICE)
+    expected = logits(model, "moekit-c16", ids)
+    assert moekit_hf.traces(model)
+    copy_of = {"deepcopy": copy.deepcopy, "pickle": lambda m: pickle.loads(pickle.dumps(m)), "torch.save": saved}[how](
+        model)  # fmt: skip
+    assert torch.equal(logits(copy_of, "moekit-c16", ids), expected)
+    assert list(moekit_hf.traces(copy_of)) == list(moekit_hf.traces(model))
+    assert torch.equal(logits(model, "moekit-c16", ids), expected)  # the original runs on
+
+
 def test_import_moekit_does_not_import_transformers():
     code = "import sys, moekit, moekit.integrations.transformers; assert 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
