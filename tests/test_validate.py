@@ -222,3 +222,36 @@ def test_check_positive_int():
         check_positive_int(-1, "n", allow_zero=True)
     with expect_raises(ChunkSizeError, match="chunk_size must be a positive int"):
         check_positive_int(0, "chunk_size", error=ChunkSizeError)
+
+
+def _bool_options():
+    """Every bool option of a public constructor or function outside the kernels: what a string flag
+    must not switch on (issue 25, item 14)."""
+    import moekit.ep
+    import moekit.quant
+    import moekit.workbook
+    from moekit.experts import DeepGemmExperts, TritonOrDeepGemmExperts
+    from moekit.prepare_finalize import NoEPPrepareFinalize
+    from moekit.viz.chunks import plot_counts_heatmap
+
+    x = torch.randn(2, 128)
+    return {
+        "return_counts": lambda v: NoEPPrepareFinalize(return_counts=v),
+        "flat_output": lambda v: DeepGemmExperts(backend="triton", flat_output=v),
+        "TritonOrDeepGemm flat_output": lambda v: TritonOrDeepGemmExperts(quant=QuantScheme.NONE, flat_output=v),
+        "column_major": lambda v: moekit.quant.quantize_fp8_per_token_group(x, column_major=v),
+        "strict": lambda v: moekit.workbook.check("chunk_plan", strict=v),
+        "annotate": lambda v: plot_counts_heatmap(torch.ones(2, 2), annotate=v),
+        "gather": lambda v: moekit.ep.run_rank(0, 1, moekit.ep.EPConfig(Ms=(2,)), gather=v),
+    }
+
+
+@pytest.mark.parametrize("option", ["return_counts", "flat_output", "TritonOrDeepGemm flat_output", "column_major",
+                                    "strict", "annotate", "gather"])  # fmt: skip
+@pytest.mark.parametrize("value", ["no", 1, None])
+def test_bool_options_refuse_anything_but_a_bool(option, value):
+    if option == "annotate" and value is None:
+        pytest.skip("annotate=None means: when the heatmap is small")
+    name = option.split()[-1]
+    with expect_raises(InvalidInputError, match=rf"{name} must be True or False, got {value!r}"):
+        _bool_options()[option](value)

@@ -48,6 +48,7 @@ from moekit.types import (
     QuantScheme,
     WorkspaceShapes,
 )
+from moekit.validate import check_flag
 
 BACKENDS = ("auto", "deep_gemm", "triton")
 
@@ -113,7 +114,7 @@ class DeepGemmExperts(Experts):
         if backend == "deep_gemm" and not dg.status().usable:
             raise BackendUnavailableError(f"backend='deep_gemm' asked for, but {dg.status().reason}")
         self.backend = backend
-        self.flat_output = bool(flat_output)
+        self.flat_output = check_flag(flat_output, "flat_output")
 
     def __repr__(self) -> str:
         flat = ", flat_output=True" if self.flat_output else ""
