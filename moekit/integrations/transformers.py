@@ -48,6 +48,9 @@ NAME = "moekit"
 INSTALL_HINT = "pip install 'moekit[hf]'"
 # The names of moekit.experts.BY_NAME that each kind of layer may ask for.
 _NAMES = {"experts": ("triton",), "fp8_experts": ("triton", "triton_or_deep_gemm")}
+# What register() passes on to ModularKernel; the chunk size is its own argument, and the workspace
+# pool is the integration's (one per device, shared by every layer).
+KERNEL_OPTIONS = ("chunk_by", "guard", "metadata_policy", "trace_counts", "workspace_policy")
 
 
 def _hf_moe():
@@ -120,14 +123,22 @@ def register(
         name: the implementation name; register several (``"moekit-c16"``) to compare settings.
         fp8_experts: what fp8 block-quantized layers (``FP8Experts``) run: ``"triton_or_deep_gemm"``
             (the default), ``"triton"``, or an fp8 :class:`Experts` instance or factory.
-        **kernel_options: passed to :class:`~moekit.ModularKernel` (``trace_counts``,
-            ``workspace_policy``, ``metadata_policy``, ``guard``).
+        **kernel_options: passed to :class:`~moekit.ModularKernel`: ``trace_counts``,
+            ``workspace_policy``, ``metadata_policy``, ``guard``, ``chunk_by`` (:data:`KERNEL_OPTIONS`;
+            not ``pool``: every layer on a device shares the integration's pool).
 
     Raises:
         OptionalDependencyError: transformers is not installed (``pip install 'moekit[hf]'``).
         InvalidInputError, ChunkSizeError: bad ``experts``, ``chunk_size`` or options.
         BackendUnavailableError: on a CPU, Triton was imported before moekit (import moekit first).
     """
+    unknown = sorted(set(kernel_options) - set(KERNEL_OPTIONS))
+    if unknown:
+        raise InvalidInputError(
+            f"register() passes {KERNEL_OPTIONS} on to ModularKernel, got {unknown}"
+            + ("; the workspace pool is the integration's (one per device, shared by every layer)"
+               if "pool" in unknown else "")  # fmt: skip
+        )
     moe = _hf_moe()
     _check_import_order()
     taken = moe.ALL_EXPERTS_FUNCTIONS.get(name) if isinstance(name, str) else None

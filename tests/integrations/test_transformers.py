@@ -258,6 +258,13 @@ def test_register_validates_and_names_the_extra(monkeypatch):
         moekit_hf.register(name="grouped_mm")
     with expect_raises(ChunkSizeError):
         moekit_hf.register(chunk_size=0, name="moekit-bad")
+    # Issue 25, item 15: both were TypeErrors from ModularKernel's signature.
+    with expect_raises(InvalidInputError, match=r"on to ModularKernel, got \['bogus_option'\]"):
+        moekit_hf.register(bogus_option=1, name="moekit-bad")
+    with expect_raises(InvalidInputError, match=r"got \['pool'\]; the workspace pool is the integration's"):
+        moekit_hf.register(pool=None, name="moekit-bad")
+    with expect_raises(InvalidInputError, match="guard must be True or False"):
+        moekit_hf.register(guard="no", name="moekit-bad")
     assert moekit_hf.register(experts=TritonExperts(), name="moekit-instance") == "moekit-instance"
     assert moekit_hf.register(experts=TritonExperts, name="moekit-factory") == "moekit-factory"
     for mod in [m for m in sys.modules if m.split(".")[0] == "transformers"]:
