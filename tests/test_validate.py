@@ -255,3 +255,20 @@ def test_bool_options_refuse_anything_but_a_bool(option, value):
     name = option.split()[-1]
     with expect_raises(InvalidInputError, match=rf"{name} must be True or False, got {value!r}"):
         _bool_options()[option](value)
+
+
+def test_an_absurd_expert_count_is_named():
+    from moekit.validate import MAX_EXPERTS, check_num_experts
+
+    assert check_num_experts(MAX_EXPERTS, "E") == MAX_EXPERTS
+    for bad in (2**40, MAX_EXPERTS + 1):
+        with expect_raises(InvalidInputError, match=rf"num_local_experts must be at most {MAX_EXPERTS} .*got {bad}"):
+            check_num_experts(bad, "num_local_experts")
+    with expect_raises(InvalidInputError, match="positive int"):
+        check_num_experts("8", "num_local_experts")
+    p = make_problem(4, E=4, K=32, N=64, dtype=torch.float32)
+    with expect_raises(InvalidInputError, match=r"global_num_experts must be at most"):  # no map: the fast path
+        check_placement(p.w1, None, 2**40, p.w1.device)
+    emap = torch.full((8,), -1)
+    with expect_raises(InvalidInputError, match=r"global_num_experts must be at most"):
+        check_placement(p.w1, emap, 2**40, p.w1.device)
