@@ -38,6 +38,7 @@ from moekit.errors import InvalidIdsError, InvalidInputError, OptionalDependency
 from moekit.experts.base import Experts
 from moekit.integrations.hf_checks import check_module, is_experts
 from moekit.integrations.hf_fp8 import check_fp8_module, is_fp8_experts, to_fp8_experts
+from moekit.workspace import PoolRegistry
 
 __all__ = [
     "check_fp8_module", "check_model", "check_module", "moekit_routing", "nan_weights_of_bad_ids", "register",
@@ -75,7 +76,7 @@ class Settings:
     chunk_size: int | None
     kernel_options: dict
     make_fp8_experts: Callable[[], Experts] | None = None
-    pools: dict = field(default_factory=dict)  # device -> WorkspacePool, shared by all layers
+    pools: PoolRegistry = field(default_factory=PoolRegistry)  # one WorkspacePool per device, for every layer
 
     def build_kernel(self, device: torch.device, *, fp8: bool = False):
         """A new ModularKernel for one layer (fp8: for an FP8Experts layer), on this setting's
@@ -83,9 +84,8 @@ class Settings:
         from moekit.modular_kernel import ModularKernel
         from moekit.prepare_finalize import NoEPPrepareFinalize
         from moekit.types import QuantScheme
-        from moekit.workspace import WorkspacePool
 
-        pool = self.pools.setdefault(device, WorkspacePool(device))
+        pool = self.pools.get(device)
         experts = _checked_experts(self.make_fp8_experts() if fp8 else self.make_experts())
         if fp8 and experts.quant is not QuantScheme.FP8_BLOCK:
             raise InvalidInputError(f"fp8_experts must run QuantScheme.FP8_BLOCK, got {experts!r}")
