@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moekit.errors import InvalidIdsError, InvalidInputError, OptionalDependencyError, UnsupportedModelError
+from moekit.errors import InvalidInputError, OptionalDependencyError, UnsupportedModelError
 from moekit.experts.base import Experts
-from moekit.integrations.hf_checks import check_module, is_experts
+from moekit.integrations.hf_checks import bad_routing_ids, check_module, check_routing_ids, is_experts
 from moekit.integrations.hf_fp8 import check_fp8_module, is_fp8_experts, to_fp8_experts
 from moekit.workspace import PoolRegistry
 
@@ -246,24 +246,14 @@ def moekit_routing(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, E: in
     """
     ids = torch.where(top_k_index == E, -1, top_k_index).contiguous()
     if top_k_index.device.type == "cpu":
-        _check_ids(top_k_index, E)
+        check_routing_ids(top_k_index, E)
         return ids, top_k_weights.contiguous()
     return ids, nan_weights_of_bad_ids(top_k_index, top_k_weights, E)
 
 
-def _check_ids(top_k_index: torch.Tensor, E: int) -> None:
-    bad = (top_k_index > E) | (top_k_index < -1)
-    if bad.any():
-        raise InvalidIdsError(
-            f"top_k_index must hold expert ids in [0, {E}) or {E} (transformers' empty-slot marker), got "
-            f"{top_k_index[bad][:4].tolist()} at slots {bad.nonzero()[:4].tolist()}"
-        )
-
-
 def nan_weights_of_bad_ids(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, E: int) -> torch.Tensor:
     """``top_k_weights`` with NaN where the id is outside ``[-1, E]`` (no host read; see :func:`moekit_routing`)."""
-    bad = (top_k_index > E) | (top_k_index < -1)
-    return torch.where(bad, float("nan"), top_k_weights).contiguous()
+    return torch.where(bad_routing_ids(top_k_index, E), float("nan"), top_k_weights).contiguous()
 
 
 def _check_import_order() -> None:
