@@ -8,7 +8,6 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from moekit.quant import FP8, FP8_GROUP
-from moekit.validate import check_flag
 from moekit.viz._figure import axes_or_new, colors, enumerate2d, integer_ticks, kib, plain_ticks, to_numpy
 
 
@@ -68,6 +67,8 @@ def plot_counts_heatmap(counts, *, ax=None, title: str = "tokens per (chunk, exp
     """A chunk x expert heatmap; cells hold the tokens each chunk sends to each expert (written in the
     cells when ``annotate``; None: when there are at most 160 cells)."""
     if annotate is not None:
+        from moekit.validate import check_flag
+
         check_flag(annotate, "annotate")
     fig, ax = axes_or_new(ax)
     c = to_numpy(counts)
