@@ -13,25 +13,46 @@ from moekit.plan import validate_chunk_size
 from moekit.prepare_finalize.no_ep import NoEPPrepareFinalize
 from moekit.quant import FP8
 from moekit.types import QuantScheme
-from moekit.workspace import shared_pool
-
-_CACHE_SIZE = 16  # kernels kept; they hold no memory of their own (the workspace pool is shared)
-_KERNELS: OrderedDict[tuple, ModularKernel] = OrderedDict()
-_KERNELS_LOCK = threading.Lock()
+from moekit.workspace import pool_device, shared_pool
 
 
-def _kernel(experts: str, chunk_size: int | None, quant: QuantScheme, device: torch.device) -> ModularKernel:
-    key = (experts, chunk_size, quant, str(device))
-    with _KERNELS_LOCK:
-        kernel = _KERNELS.get(key)
-        if kernel is None:
-            kernel = ModularKernel(NoEPPrepareFinalize(), experts_class(experts)(quant=quant), chunk_size=chunk_size,
-                                   trace_counts=False, pool=shared_pool(device))  # fmt: skip
-            _KERNELS[key] = kernel
-            while len(_KERNELS) > _CACHE_SIZE:
-                _KERNELS.popitem(last=False)
-        _KERNELS.move_to_end(key)
-        return kernel
+class KernelCache:
+    """The modular kernels behind :func:`fused_moe`, one per (experts, chunk size, scheme, device): the
+    ``size`` most recently used are kept (a kernel holds no memory of its own: the workspace pool of
+    its device is shared). Thread-safe: two threads asking for one key get one kernel.
+    """
+
+    def __init__(self, size: int = 16):
+        self.size = size
+        self._kernels: OrderedDict[tuple, ModularKernel] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, experts: str, chunk_size: int | None, quant: QuantScheme, device: torch.device) -> ModularKernel:
+        """The kernel for these settings, made on first ask (on the shared pool of ``device``)."""
+        key = (experts, chunk_size, quant, str(pool_device(device)))
+        with self._lock:
+            kernel = self._kernels.get(key)
+            if kernel is None:
+                kernel = ModularKernel(NoEPPrepareFinalize(), experts_class(experts)(quant=quant),
+                                       chunk_size=chunk_size, trace_counts=False,
+                                       pool=shared_pool(device))  # fmt: skip
+                self._kernels[key] = kernel
+                while len(self._kernels) > self.size:
+                    self._kernels.popitem(last=False)
+            self._kernels.move_to_end(key)
+            return kernel
+
+    def kernels(self) -> list[ModularKernel]:
+        """The kernels kept now, least recently used first."""
+        with self._lock:
+            return list(self._kernels.values())
+
+    def clear(self) -> None:
+        with self._lock:
+            self._kernels.clear()
+
+
+KERNELS = KernelCache()  # the process's fused_moe kernels
 
 
 def fused_moe(
@@ -78,7 +99,7 @@ def fused_moe(
     experts_class(experts)
     quant = QuantScheme.FP8_BLOCK if isinstance(w1, torch.Tensor) and w1.dtype == FP8 else QuantScheme.NONE
     device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
-    kernel = _kernel(experts, chunk_size, quant, device)
+    kernel = KERNELS.get(experts, chunk_size, quant, device)
     return kernel(
         hidden,
         w1,

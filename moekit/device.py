@@ -3,20 +3,43 @@
 This is the one place that reads or sets ``TRITON_INTERPRET``. Triton decides between compiling
 and interpreting when ``@triton.jit`` decorates a function, so the switch must be set before any
 kernel module is imported. ``moekit/__init__.py`` imports this module first for that reason.
+The switch is read as Triton reads it (:func:`env_flag`): ``TRITON_INTERPRET=false`` is off for
+both.
 
 Set ``MOEKIT_DEVICE=cpu`` to force the interpreter on a machine that has a GPU.
+
+Under the interpreter, importing moekit also:
+
+- refuses Triton < 3.7 with numpy >= 2.4 (BackendUnavailableError): that interpreter crashes on
+  every kernel with a loop bounded at run time ("only 0-dimensional arrays can be converted to
+  Python scalars"), which is most of moekit's;
+- makes interpreted launches take turns, process-wide (:func:`_serialize_interpreted_launches`).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
+import re
 import sys
 import threading
 import warnings
 
+# What Triton's getenv_bool (knobs.runtime.interpret) takes for "on", compared in lower case; any
+# other value that is set, "" and "false" among them, is off. Checked against Triton's own reader
+# in tests/test_device.py.
+_TRUTHY = ("1", "true", "on", "yes", "y")
+
+
+def env_flag(name: str) -> bool:
+    """Whether the environment variable ``name`` is on, as Triton reads its boolean knobs
+    (``TRITON_INTERPRET``): ``1``, ``true``, ``on``, ``yes`` or ``y`` in any case; unset is off."""
+    return os.environ.get(name, "").lower() in _TRUTHY
+
+
 # Was Triton imported (by transformers, say) before the switch below could be set? Then Triton's
 # own helpers (tl.zeros_like & co.) were built for a GPU, and kernels fail in the interpreter.
-_TRITON_FIRST = "triton.language" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+_TRITON_FIRST = "triton.language" in sys.modules and not env_flag("TRITON_INTERPRET")
 
 import torch  # noqa: E402
 
@@ -35,15 +58,52 @@ if not _HAS_CUDA:
         )
 
 # Decided once, here; read through get_device() and interpreting().
-_INTERPRETING: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_INTERPRETING: bool = env_flag("TRITON_INTERPRET")
 _DEVICE: torch.device = torch.device("cuda") if _HAS_CUDA and not _INTERPRETING else torch.device("cpu")
+
+
+def _release(package: str) -> tuple[int, int] | None:
+    """(major, minor) of an installed package, or None when its metadata cannot be read."""
+    try:
+        text = importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    found = re.match(r"(\d+)\.(\d+)", text)
+    return (int(found[1]), int(found[2])) if found else None
+
+
+def check_interpreter_versions(triton: tuple[int, int] | None = None, numpy: tuple[int, int] | None = None) -> None:
+    """Raise BackendUnavailableError for a Triton interpreter known to crash with this numpy.
+
+    Triton < 3.7 with numpy >= 2.4 (seen with triton 3.6.0 and numpy 2.4.0 / 2.4.6, December 2026):
+    a loop bounded at run time (``for i in range(tl.cdiv(n, BLOCK))``) fails inside the interpreter.
+    ``triton``/``numpy`` default to the installed versions (read from their metadata).
+    """
+    triton = _release("triton") if triton is None else triton
+    numpy = _release("numpy") if numpy is None else numpy
+    if triton is not None and numpy is not None and triton < (3, 7) and numpy >= (2, 4):
+        from moekit.errors import BackendUnavailableError
+
+        raise BackendUnavailableError(
+            f"Triton {triton[0]}.{triton[1]}'s interpreter crashes with numpy {numpy[0]}.{numpy[1]} on moekit's "
+            "kernels (a loop bounded at run time: 'only 0-dimensional arrays can be converted to Python "
+            "scalars'); install triton >= 3.7 or numpy < 2.4"
+        )
 
 
 def _serialize_interpreted_launches() -> None:
     """Triton's interpreter is not thread-safe: while a kernel runs it swaps ``triton.language``
     functions for interpreted ones and keeps the program id in one global builder, so two threads
     launching kernels at once break each other ("Did you forget to add @triton.jit?"). One lock
-    around every interpreted launch makes them take turns, as launches on one GPU stream do."""
+    around every interpreted launch makes them take turns, as launches on one GPU stream do.
+
+    Why process-wide, and not only around moekit's own launches: the state the interpreter swaps is
+    the process's, so a launch of anyone's kernel in another thread (a learner's in the workbook,
+    another library's) breaks a moekit launch running beside it, and the other way round. Taking
+    turns costs nothing the interpreter could have done in parallel, and changes no result. The
+    patch is made once (``_moekit_serialized``), only under the interpreter, and keeps Triton's own
+    call as ``__wrapped__``. Tested in tests/test_device.py with a kernel that is not moekit's.
+    """
     from triton.runtime import interpreter
 
     executor = interpreter.GridExecutor
@@ -56,10 +116,12 @@ def _serialize_interpreted_launches() -> None:
             return original(self, *args, **kwargs)
 
     call._moekit_serialized = True
+    call.__wrapped__ = original
     executor.__call__ = call
 
 
 if _INTERPRETING:
+    check_interpreter_versions()
     _serialize_interpreted_launches()
 
 

@@ -232,10 +232,14 @@ def launch(
         ``[result of rank 0, result of rank 1, ...]``, tensors on the CPU.
 
     Raises:
+        InvalidInputError: bad ``world_size``, ``backend`` or ``timeout_s``; ``fn`` not importable by
+            name; ``args`` not a tuple, or not picklable (then no rank was started).
         DistributedError: a rank raised (the message holds that rank's traceback; when several
             failed, the first to report leads), died, or the run exceeded ``timeout_s``.
     """
     backend = _check_backend(backend, world_size, timeout_s)
+    if not isinstance(args, tuple):
+        raise InvalidInputError(f"args must be a tuple (fn(rank, world_size, *args)), got {type(args).__name__}")
     ref = _FnRef.of(fn)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -254,7 +258,7 @@ def launch(
             for r in range(world_size)
         ]
         for p in procs:
-            p.start()
+            _start(p)
     finally:
         for k, v in saved.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
@@ -266,6 +270,17 @@ def launch(
                 p.kill()
             p.join(timeout=5)
         del store
+
+
+def _start(process) -> None:
+    """``process.start()``; arguments that do not pickle become InvalidInputError. A spawned process
+    pickles its arguments before the child exists, so a failure here started nothing."""
+    try:
+        process.start()
+    except (pickle.PicklingError, TypeError, AttributeError) as e:
+        raise InvalidInputError(
+            f"launch's args must pickle (every rank gets a copy): {type(e).__name__}: {e}"
+        ) from e
 
 
 def _loopback_interface() -> str:

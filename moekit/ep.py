@@ -98,7 +98,9 @@ def run_rank(rank: int, world_size: int, config: EPConfig, *, gather: bool = Tru
     from moekit.experts import experts_class
     from moekit.modular_kernel import ModularKernel
     from moekit.prepare_finalize.all2all import All2AllPrepareFinalize
+    from moekit.validate import check_flag
 
+    check_flag(gather, "gather")  # before any collective, the same on every rank
     if len(config.Ms) != world_size:
         raise InvalidInputError(f"need one token count per rank (len(Ms) == world_size={world_size}); got {config}")
     device = moekit.device.get_device()

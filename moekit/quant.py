@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from moekit.errors import QuantizationError
+from moekit.errors import InvalidInputError, QuantizationError
 
 FP8 = torch.float8_e4m3fn  # the one fp8 dtype moekit uses (e4m3, finite, max 448)
 FP8_MAX = 448.0
@@ -64,9 +64,12 @@ def quantize_fp8_per_token_group(
 
     Raises:
         QuantizationError: ``x`` is not a 2-D bf16/fp16/fp32 tensor, or ``group`` is not a positive int.
+        InvalidInputError: ``column_major`` is not a bool.
     """
     _check_float(x, "activations")
     group = _check_group(group)
+    if not isinstance(column_major, bool):  # not check_flag: moekit.validate imports this module
+        raise InvalidInputError(f"column_major must be True or False, got {column_major!r}")
     if x.dim() != 2:
         raise QuantizationError(f"activations must be 2-D [M, K], got shape {tuple(x.shape)}")
     M, K = x.shape

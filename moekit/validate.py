@@ -18,6 +18,7 @@ from moekit.quant import FP8
 from moekit.types import ExpertPlacement
 
 MAX_IDS = 2**31 - 2**20  # ids per kernel call: int32 offsets, with room for a tile past the end and the padding
+MAX_EXPERTS = MAX_IDS  # experts (global or local) per layer: the kernels index expert ids and counts with int32
 _SIGNED_INT = (torch.int8, torch.int16, torch.int32, torch.int64)
 _UNSIGNED_INT = (torch.uint8, torch.uint16, torch.uint32, torch.uint64)
 
@@ -34,6 +35,17 @@ def check_positive_int(
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         want = "a non-negative int" if allow_zero else "a positive int"
         raise error(f"{name} must be {want}, got {value!r}")
+    return value
+
+
+def check_num_experts(value, name: str) -> int:
+    """``value`` must be an int in ``[1, MAX_EXPERTS]`` (the kernels index experts with int32); returns it.
+
+    ``count_expert_num_tokens(ids, 2**40)`` once tried to allocate 4 TiB of counts before failing.
+    """
+    check_positive_int(value, name)
+    if value > MAX_EXPERTS:
+        raise InvalidInputError(f"{name} must be at most {MAX_EXPERTS} (experts are indexed with int32), got {value}")
     return value
 
 
@@ -249,7 +261,7 @@ def check_placement(
     """Which experts this call holds: E_local from w1, E_global from the argument or the map; a map's
     values are checked once per storage and version (``seen``)."""
     E_local = w1.shape[0]
-    if expert_map is None and type(global_num_experts) is int and global_num_experts >= E_local:
+    if expert_map is None and type(global_num_experts) is int and E_local <= global_num_experts <= MAX_EXPERTS:
         return _placement(global_num_experts, E_local)
     if expert_map is None and global_num_experts is None:
         return _placement(E_local, E_local)
@@ -257,7 +269,7 @@ def check_placement(
     E_global = global_num_experts
     if E_global is None:
         E_global = expert_map.numel() if expert_map is not None else E_local
-    check_positive_int(E_global, "global_num_experts")
+    check_num_experts(E_global, "global_num_experts")
     if expert_map is not None and expert_map.numel() != E_global:
         raise InvalidInputError(f"expert_map has {expert_map.numel()} entries but global_num_experts={E_global}")
     if E_global < E_local:

@@ -11,6 +11,11 @@ the whole experts pass, so two threads that share a kernel (or a pool) take turn
 writing into each other's buffers. On a GPU the buffer may still be in use by kernels queued on
 another stream, so a take from a different stream first makes the current stream wait for the
 previous one.
+
+A pool lives on one device. :meth:`WorkspacePool.serves` says whether it can serve a call's
+tensors, :meth:`WorkspacePool.check_device` raises InvalidInputError when it cannot (a pool handed
+to a kernel is never moved). :data:`SHARED_POOLS` keeps one pool per device for the callers that
+share them (``moekit.fused_moe``'s kernels).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moekit.errors import InvalidInputError
 from moekit.types import WorkspaceShapes
 
 _ALIGN = 256  # bytes; keeps workspace2 aligned for vector loads and TMA
@@ -28,6 +34,14 @@ _ALIGN = 256  # bytes; keeps workspace2 aligned for vector loads and TMA
 
 def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
+
+
+def pool_device(device: torch.device | str) -> torch.device:
+    """``device`` with its index: a bare ``cuda`` is the current GPU (``cuda:0`` and ``cuda`` are one pool)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 @dataclass
@@ -48,7 +62,7 @@ class WorkspacePool:
     """
 
     def __init__(self, device: torch.device | str):
-        self.device = torch.device(device)
+        self.device = pool_device(device)
         self.lock = threading.RLock()
         self.grows = 0
         self.requests = 0
@@ -69,6 +83,20 @@ class WorkspacePool:
         self.__dict__.update(state)
         self.lock = threading.RLock()
         self._reset()
+
+    def serves(self, device: torch.device | str) -> bool:
+        """Whether this pool's buffers live where ``device``'s tensors do (``cuda`` is the current GPU)."""
+        device = torch.device(device)
+        return device == self.device or pool_device(device) == self.device
+
+    def check_device(self, device: torch.device | str, *, whose: str = "the workspace pool") -> None:
+        """Raise InvalidInputError unless this pool :meth:`serves` ``device``: a kernel would otherwise
+        hand the experts buffers on another device than their tensors."""
+        if not self.serves(device):
+            raise InvalidInputError(
+                f"{whose} lives on {self.device}, but this call's tensors are on {device}; give each device its "
+                "own pool (moekit.workspace.SHARED_POOLS.get(device), or a WorkspacePool(device))"
+            )
 
     def take(self, shapes: WorkspaceShapes) -> WorkspaceBuffers:
         """Flat workspace13 and workspace2 for ``shapes``; grows the pool if needed."""
@@ -113,9 +141,15 @@ class WorkspacePool:
 
     def follow(self, stream: tuple[int, int] | None) -> None:
         """Before a forward on ``stream`` (``moekit.kernels.launch.launch_stream``): if the pool was last
-        used on another stream, the new one waits for the old one (its kernels may still read the buffers)."""
+        used on another stream, the new one waits for the old one (its kernels may still read the buffers).
+
+        Raises:
+            InvalidInputError: ``stream`` is on another GPU than the pool (:meth:`check_device`), before
+                any buffer is handed out.
+        """
         if stream is None or stream == self._stream:
             return
+        self.check_device(torch.device("cuda", stream[0]))
         if self._stream is not None and not torch.cuda.is_current_stream_capturing():
             torch.cuda.current_stream(self.device).wait_stream(self._last)
         self._stream, self._last = stream, torch.cuda.current_stream(self.device)
@@ -125,14 +159,43 @@ class WorkspacePool:
         self._reset()
 
 
-_POOLS: dict[str, WorkspacePool] = {}
-_POOLS_LOCK = threading.Lock()
+class PoolRegistry:
+    """One :class:`WorkspacePool` per device, made on first ask; thread-safe.
+
+    It pickles (and deep-copies) as an empty registry: pools are buffers of this process.
+    """
+
+    def __init__(self):
+        self._pools: dict[torch.device, WorkspacePool] = {}
+        self._lock = threading.Lock()
+
+    def get(self, device: torch.device | str) -> WorkspacePool:
+        """The pool of ``device`` (``cuda`` and the current ``cuda:N`` are one)."""
+        key = pool_device(device)
+        with self._lock:
+            pool = self._pools.get(key)
+            if pool is None:
+                pool = self._pools[key] = WorkspacePool(key)
+            return pool
+
+    def __len__(self) -> int:
+        return len(self._pools)
+
+    def clear(self) -> None:
+        """Forget every pool (their memory goes when nobody else holds them)."""
+        with self._lock:
+            self._pools.clear()
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
+
+
+SHARED_POOLS = PoolRegistry()  # the process's shared pools, one per device
 
 
 def shared_pool(device: torch.device | str) -> WorkspacePool:
     """The process-wide pool of ``device``, shared by the kernels that ask for it (layers)."""
-    key = str(torch.device(device))
-    with _POOLS_LOCK:
-        if key not in _POOLS:
-            _POOLS[key] = WorkspacePool(device)
-        return _POOLS[key]
+    return SHARED_POOLS.get(device)

@@ -81,8 +81,34 @@ def test_many_chunk_sizes_keep_a_bounded_cache_and_one_pool():
     x, w1, w2, tw, ti = layer(M=3, E=4, K=32, N=64)
     for C in range(1, 31):
         moekit.fused_moe(x, w1, w2, tw, ti, chunk_size=C)
-    assert len(api._KERNELS) <= 16
-    assert {id(k.pool) for k in api._KERNELS.values()} == {id(shared_pool(x.device))}
+    assert len(api.KERNELS.kernels()) <= api.KERNELS.size == 16
+    assert {id(k.pool) for k in api.KERNELS.kernels()} == {id(shared_pool(x.device))}
+
+
+def test_the_kernel_cache_is_one_thread_safe_object():
+    # Issue 25, item 7: module state became a documented object with a lock.
+    import threading
+
+    from moekit import api
+    from moekit.types import QuantScheme
+
+    assert not hasattr(api, "_KERNELS") and isinstance(api.KERNELS, api.KernelCache)
+    cache, got = api.KernelCache(size=3), []
+    start = threading.Barrier(8)
+
+    def ask(i):
+        start.wait()
+        got.append(cache.get("triton", 1 + i % 2, QuantScheme.NONE, torch.device("cpu")))
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len({id(k) for k in got}) == 2 and len(cache.kernels()) == 2  # one kernel per key, never two
+    for C in (3, 4, 5):
+        cache.get("triton", C, QuantScheme.NONE, torch.device("cpu"))
+    assert [k.chunk_size for k in cache.kernels()] == [3, 4, 5]  # least recently used went first
 
 
 @pytest.mark.interpreter

@@ -180,6 +180,17 @@ def test_bad_arguments():
             launch(sum_ranks, 64, backend="nccl")
 
 
+def test_args_that_do_not_pickle_are_named_before_any_rank_starts():
+    # Issue 25, item 15: a raw TypeError from multiprocessing.
+    import threading
+
+    with expect_raises(InvalidInputError, match="args must pickle .*cannot pickle '_thread.lock'"):
+        launch(sum_ranks, 2, args=(threading.Lock(),))
+    with expect_raises(InvalidInputError, match="args must be a tuple"):
+        launch(sum_ranks, 2, args=[1])
+    assert not [p for p in __import__("multiprocessing").active_children() if p.is_alive()]
+
+
 def test_function_must_be_found_by_name():
     with expect_raises(InvalidInputError, match="module-level"):
         launch(lambda rank, world: rank, 1)

@@ -428,3 +428,64 @@ def test_the_checks_do_not_grow_with_the_chunks(experts):
         assert len(kernel.last_trace) == (1 if C is None else 4)
     assert made[16] == made[None], f"one chunk: {made[None]}; four chunks: {made[16]}"
     assert sum(made[None].values()) > 0  # the door did check
+
+
+# ---------------------------------------------------------------------------------------------
+# copies and threads (issue 25, items 12 and 13)
+
+
+def _save_and_load(obj):
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+def test_a_kernel_copies_after_a_forward(how):
+    # The pool's RLock (and the per-thread trace) made a used kernel uncopyable.
+    import copy
+    import pickle
+
+    from moekit.experts import TritonExperts
+
+    kernel = ModularKernel(NoEPPrepareFinalize(), TritonExperts(), chunk_size=5)
+    case = problem(M=17, K=32, N=64, seed=4)
+    expected = kernel(*case)
+    copy_of = {"deepcopy": copy.deepcopy, "pickle": lambda k: pickle.loads(pickle.dumps(k)),
+               "torch.save": _save_and_load}[how](kernel)  # fmt: skip
+    assert copy_of.last_trace is None  # a trace stays with the thread (and process) that made it
+    assert torch.equal(copy_of(*case), expected)
+    assert len(copy_of.last_trace) == 4 and len(kernel.last_trace) == 4
+    assert copy_of.pool is not kernel.pool and copy_of.pool.lock is not kernel.pool.lock
+
+
+@pytest.mark.interpreter
+def test_twelve_concurrent_calls_each_read_their_own_trace():
+    # last_trace was one attribute, set before the pool's lock: 10 of 12 threads read another call's.
+    import threading
+
+    from moekit.experts import TritonExperts
+
+    kernel = ModularKernel(NoEPPrepareFinalize(), TritonExperts(), chunk_size=3)
+    cases = [problem(M=4 + i, K=32, N=64, seed=i) for i in range(12)]
+    start, seen, errors = threading.Barrier(12), [None] * 12, []
+
+    def work(i):
+        try:
+            start.wait()
+            out = kernel(*cases[i])
+            seen[i] = (kernel.last_trace.M, len(kernel.last_trace), out.shape[0])
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert seen == [(4 + i, -(-(4 + i) // 3), 4 + i) for i in range(12)]

@@ -45,3 +45,20 @@ def test_weights_check_against_scheme():
         MoEWeights(q1, q2, s1[:, :1], s2).check(QuantScheme.FP8_BLOCK)
     with pytest.raises(QuantizationError, match="FP8_BLOCK"):
         MoEWeights(q1, q2, s1, s2).check(QuantScheme.NONE)
+
+
+@pytest.mark.parametrize("N, K", [(256, 128), (140, 130), (512, 384)])
+def test_expert_bytes_count_what_the_tensors_hold(N, K):
+    # Issue 25's test holes: the fp8 scales counted 2 bytes each instead of 4 and no test noticed.
+    from moekit.types import expert_bytes
+
+    w1, w2 = torch.randn(3, N, K), torch.randn(3, K, N // 2)
+    (q1, s1), (q2, s2) = quantize_fp8_block(w1), quantize_fp8_block(w2)
+    assert s1.dtype == s2.dtype == torch.float32  # 4 bytes per 128 x 128 block
+    per_expert = q1[0].nbytes + q2[0].nbytes + s1[0].nbytes + s2[0].nbytes
+    assert MoEWeights(q1, q2, s1, s2).expert_bytes == expert_bytes(N, K, q1.dtype, scaled=True) == per_expert
+    assert expert_bytes(N, K, q1.dtype, scaled=True) - expert_bytes(N, K, q1.dtype, scaled=False) == 4 * (
+        s1[0].numel() + s2[0].numel())  # fmt: skip
+    bf16 = MoEWeights(w1.bfloat16(), w2.bfloat16())
+    assert bf16.expert_bytes == w1[0].bfloat16().nbytes + w2[0].bfloat16().nbytes
+    assert MoEWeights(w1[:0], w2[:0]).expert_bytes == 0

@@ -222,3 +222,53 @@ def test_check_positive_int():
         check_positive_int(-1, "n", allow_zero=True)
     with expect_raises(ChunkSizeError, match="chunk_size must be a positive int"):
         check_positive_int(0, "chunk_size", error=ChunkSizeError)
+
+
+def _bool_options():
+    """Every bool option of a public constructor or function outside the kernels: what a string flag
+    must not switch on (issue 25, item 14)."""
+    import moekit.ep
+    import moekit.quant
+    import moekit.workbook
+    from moekit.experts import DeepGemmExperts, TritonOrDeepGemmExperts
+    from moekit.prepare_finalize import NoEPPrepareFinalize
+    from moekit.viz.chunks import plot_counts_heatmap
+
+    x = torch.randn(2, 128)
+    return {
+        "return_counts": lambda v: NoEPPrepareFinalize(return_counts=v),
+        "flat_output": lambda v: DeepGemmExperts(backend="triton", flat_output=v),
+        "TritonOrDeepGemm flat_output": lambda v: TritonOrDeepGemmExperts(quant=QuantScheme.NONE, flat_output=v),
+        "column_major": lambda v: moekit.quant.quantize_fp8_per_token_group(x, column_major=v),
+        "strict": lambda v: moekit.workbook.check("chunk_plan", strict=v),
+        "annotate": lambda v: plot_counts_heatmap(torch.ones(2, 2), annotate=v),
+        "gather": lambda v: moekit.ep.run_rank(0, 1, moekit.ep.EPConfig(Ms=(2,)), gather=v),
+    }
+
+
+@pytest.mark.parametrize("option", ["return_counts", "flat_output", "TritonOrDeepGemm flat_output", "column_major",
+                                    "strict", "annotate", "gather"])  # fmt: skip
+@pytest.mark.parametrize("value", ["no", 1, None])
+def test_bool_options_refuse_anything_but_a_bool(option, value):
+    if option == "annotate" and value is None:
+        pytest.skip("annotate=None means: when the heatmap is small")
+    name = option.split()[-1]
+    with expect_raises(InvalidInputError, match=rf"{name} must be True or False, got {value!r}"):
+        _bool_options()[option](value)
+
+
+def test_an_absurd_expert_count_is_named():
+    from moekit.validate import MAX_EXPERTS, check_num_experts
+
+    assert check_num_experts(MAX_EXPERTS, "E") == MAX_EXPERTS
+    for bad in (2**40, MAX_EXPERTS + 1):
+        with expect_raises(InvalidInputError, match=rf"num_local_experts must be at most {MAX_EXPERTS} .*got {bad}"):
+            check_num_experts(bad, "num_local_experts")
+    with expect_raises(InvalidInputError, match="positive int"):
+        check_num_experts("8", "num_local_experts")
+    p = make_problem(4, E=4, K=32, N=64, dtype=torch.float32)
+    with expect_raises(InvalidInputError, match=r"global_num_experts must be at most"):  # no map: the fast path
+        check_placement(p.w1, None, 2**40, p.w1.device)
+    emap = torch.full((8,), -1)
+    with expect_raises(InvalidInputError, match=r"global_num_experts must be at most"):
+        check_placement(p.w1, emap, 2**40, p.w1.device)

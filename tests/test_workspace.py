@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from moekit.types import WorkspaceShapes
@@ -47,3 +48,84 @@ def test_workspace2_starts_aligned_for_vector_loads():
     pool = WorkspacePool("cpu")
     v = pool.take(WorkspaceShapes((3, 5), (7,), (1,), torch.bfloat16))  # 30 bytes of workspace13
     assert (v.workspace2.data_ptr() - v.workspace13.data_ptr()) % 256 == 0
+
+
+def test_a_pool_says_which_devices_it_serves():
+    # Issue 25, items 7 and 15: a pool is made on the first call's device and was used for every later one.
+    from moekit.errors import InvalidInputError
+    from moekit.testing import expect_raises
+
+    pool = WorkspacePool("cpu")
+    assert pool.serves("cpu") and pool.serves(torch.device("cpu")) and not pool.serves("meta")
+    pool.check_device("cpu")
+    with expect_raises(InvalidInputError, match=r"the workspace pool lives on cpu, but this call's tensors are on me"):
+        pool.check_device(torch.device("meta"))
+    before = pool.take(WorkspaceShapes((4,), (4,), (1,), torch.float32))
+    with expect_raises(InvalidInputError, match=r"lives on cpu, but this call's tensors are on cuda:3"):
+        pool.follow((3, 1234))  # a forward on GPU 3: refused before any buffer is handed out
+    assert pool.take(WorkspaceShapes((4,), (4,), (1,), torch.float32)) is before
+
+
+def test_shared_pools_are_one_thread_safe_registry():
+    import copy
+    import pickle
+    import threading
+
+    from moekit import workspace
+
+    assert not hasattr(workspace, "_POOLS") and shared_pool("cpu") is workspace.SHARED_POOLS.get("cpu")
+    registry, got = workspace.PoolRegistry(), []
+    start = threading.Barrier(8)
+
+    def ask():
+        start.wait()
+        got.append(registry.get("cpu"))
+
+    threads = [threading.Thread(target=ask) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len({id(p) for p in got}) == 1 and len(registry) == 1
+    assert registry.get("meta") is not got[0] and len(registry) == 2
+    for twin in (copy.deepcopy(registry), pickle.loads(pickle.dumps(registry))):
+        assert len(twin) == 0 and twin.get("cpu").device == torch.device("cpu")
+    registry.clear()
+    assert len(registry) == 0
+
+
+def _kernel_and_problem(pool=None):
+    from moekit import ModularKernel
+    from moekit.experts import TritonExperts
+    from moekit.prepare_finalize import NoEPPrepareFinalize
+    from moekit.testing import make_problem
+
+    p = make_problem(4, E=4, topk=2, K=32, N=64, dtype=torch.float32)
+    return ModularKernel(NoEPPrepareFinalize(), TritonExperts(), pool=pool), p
+
+
+_NEEDS_MODULAR_KERNEL = "needs the pool checks in ModularKernel (moekit/modular_kernel.py, owned elsewhere)"
+
+
+@pytest.mark.interpreter
+@pytest.mark.xfail(strict=True, reason=_NEEDS_MODULAR_KERNEL)
+def test_a_given_pool_on_another_device_is_named_at_the_door():
+    from moekit.errors import InvalidInputError
+
+    kernel, p = _kernel_and_problem(WorkspacePool("meta"))
+    with pytest.raises(InvalidInputError, match="lives on meta"):
+        kernel(*p.inputs())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.xfail(strict=True, reason=_NEEDS_MODULAR_KERNEL)
+def test_a_kernels_own_pool_follows_the_calls_device():
+    from moekit.testing import assert_close, make_problem
+
+    kernel, _ = _kernel_and_problem()
+    for index in (0, 1, 0):
+        p = make_problem(4, E=4, topk=2, K=32, N=64, dtype=torch.bfloat16, device=f"cuda:{index}")
+        with torch.cuda.device(index):
+            assert_close(kernel(*p.inputs()), p.reference(), dtype=torch.bfloat16)
+        assert kernel.pool.device == torch.device("cuda", index)

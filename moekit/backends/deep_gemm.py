@@ -25,7 +25,11 @@ layout (:mod:`moekit.kernels.contiguous_gemm`).
    ``get_col_major_tma_aligned_tensor`` (the scale layout moekit already produces).
 
 The result is cached. :func:`status` never raises, and this module imports only the standard
-library and torch, so ``moekit info`` can call it anywhere.
+library, torch and moekit's errors, so ``moekit info`` can call it anywhere.
+
+What this process knows about deep_gemm (the probe's result, the module, the GEMM shapes that failed
+to build) lives in one :class:`DeepGemmBackend`, :data:`BACKEND`, behind a lock; the functions below
+are its methods, bound once.
 
 Known build traps (seen on an H200 with CUDA 13, deep_gemm 1.0):
 
@@ -38,7 +42,8 @@ Known build traps (seen on an H200 with CUDA 13, deep_gemm 1.0):
   heuristic picks a BLOCK_N that divides 128 and K/128 is odd: K=128, or an intermediate size of
   384 for GEMM2). :func:`grouped_gemm_contiguous` turns such a build failure into
   BackendUnavailableError and remembers the shape, so that it is never compiled again in this
-  process; :func:`build_failure` says whether a shape is known to fail.
+  process; :func:`build_failure` says whether a shape is known to fail. A shape is one GEMM's
+  ``(N, K)``: a layer whose GEMM2 cannot be built keeps running GEMM1 on deep_gemm.
 """
 
 from __future__ import annotations
@@ -48,7 +53,8 @@ import importlib
 import importlib.util
 import re
 import subprocess
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
@@ -70,9 +76,6 @@ class DeepGemmStatus:
     usable: bool
     reason: str
     api: str | None = None
-
-
-_CACHE: tuple[DeepGemmStatus, ModuleType | None] | None = None
 
 
 def detect_api(module: object) -> str | None:
@@ -174,58 +177,125 @@ def jit_problem(api: str = "v2") -> str | None:
     return None
 
 
-def _load() -> tuple[DeepGemmStatus, ModuleType | None]:
-    global _CACHE
-    if _CACHE is None:
-        try:
-            _CACHE = _probe()
-        except Exception as e:  # status() must never raise
-            _CACHE = (DeepGemmStatus(False, f"detection failed: {type(e).__name__}: {e}"), None)
-    return _CACHE
+@dataclass
+class _Routing:
+    """Where deep_gemm calls go: a probed (or given) status and module, and the GEMM shapes ``(N, K)``
+    that failed to build there (-> why)."""
+
+    status: DeepGemmStatus
+    module: ModuleType | None
+    failures: dict[tuple[int, int], str] = field(default_factory=dict)
 
 
-def status(*, refresh: bool = False) -> DeepGemmStatus:
-    """Whether a usable deep_gemm is installed here (cached; ``refresh=True`` probes again)."""
-    global _CACHE
-    if refresh:
-        _CACHE = None
-        _BUILD_FAILURES.clear()
-    return _load()[0]
+class DeepGemmBackend:
+    """What this process knows about deep_gemm; every method is thread-safe.
 
-
-@contextlib.contextmanager
-def use(module: object, *, reason: str = "given by moekit.backends.deep_gemm.use"):
-    """Route every deep_gemm call to ``module`` inside the block (a stub in tests, or a build
-    that is not on the import path); the probed state, and the remembered build failures,
-    come back after it. ``module`` must expose one of the known APIs.
-
-    Raises:
-        BackendUnavailableError: ``module`` has neither API.
+    - the probe of the machine (:func:`status`), made once, on first use;
+    - the GEMM shapes that deep_gemm failed to build, each remembered so that it is never compiled
+      twice (:meth:`grouped_gemm_contiguous` records them, :meth:`build_failure` reads them);
+    - :meth:`use` blocks, which route every call to a given module (with their own remembered
+      failures) until they end. They are process-wide, as the real module is: another thread's
+      calls meanwhile go there too. Blocks may nest or overlap across threads; each one's end
+      removes its own routing, whatever the order.
     """
-    global _CACHE
-    api = detect_api(module)
-    if api is None:
-        known = [gemm for _, gemm, _ in _APIS]
-        raise BackendUnavailableError(f"{module!r} exposes none of the known contiguous GEMMs ({known})")
-    saved, failures = _CACHE, dict(_BUILD_FAILURES)
-    _CACHE = (DeepGemmStatus(True, reason, api), module)
-    _BUILD_FAILURES.clear()
-    try:
-        yield
-    finally:
-        _CACHE = saved
-        _BUILD_FAILURES.clear()
-        _BUILD_FAILURES.update(failures)
+
+    def __init__(self, probe=None):
+        self._probe = probe or _probe
+        self._lock = threading.RLock()
+        self._probed: _Routing | None = None
+        self._given: list[_Routing] = []  # use() blocks, innermost last
+
+    def _routing(self) -> _Routing:
+        with self._lock:
+            if self._given:
+                return self._given[-1]
+            if self._probed is None:
+                try:
+                    st, module = self._probe()
+                except Exception as e:  # status() must never raise
+                    st, module = DeepGemmStatus(False, f"detection failed: {type(e).__name__}: {e}"), None
+                self._probed = _Routing(st, module)
+            return self._probed
+
+    def status(self, *, refresh: bool = False) -> DeepGemmStatus:
+        """Whether a usable deep_gemm is installed here (cached; ``refresh=True`` probes again and
+        forgets the shapes that failed to build; a :meth:`use` block in force stays in force)."""
+        if not isinstance(refresh, bool):
+            from moekit.errors import InvalidInputError
+
+            raise InvalidInputError(f"refresh must be True or False, got {refresh!r}")
+        with self._lock:
+            if refresh:
+                self._probed = None
+            return self._routing().status
+
+    @contextlib.contextmanager
+    def use(self, module: object, *, reason: str = "given by moekit.backends.deep_gemm.use"):
+        """Route every deep_gemm call to ``module`` inside the block (a stub in tests, or a build
+        that is not on the import path), with no shape known to fail; the routing before it comes
+        back after it. ``module`` must expose one of the known APIs.
+
+        Raises:
+            BackendUnavailableError: ``module`` has neither API.
+        """
+        api = detect_api(module)
+        if api is None:
+            known = [gemm for _, gemm, _ in _APIS]
+            raise BackendUnavailableError(f"{module!r} exposes none of the known contiguous GEMMs ({known})")
+        mine = _Routing(DeepGemmStatus(True, reason, api), module)
+        with self._lock:
+            self._given.append(mine)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._given = [r for r in self._given if r is not mine]
+
+    def build_failure(self, N: int, K: int) -> str | None:
+        """Why deep_gemm could not build its GEMM for ``[*, K] x [N, K]^T`` here, or None (not known to fail)."""
+        with self._lock:
+            return self._routing().failures.get((int(N), int(K)))
+
+    def module(self) -> tuple[ModuleType, str]:
+        """The module calls go to and its API; BackendUnavailableError (with the reason) when unusable."""
+        return _usable(self._routing())
+
+    def grouped_gemm_contiguous(self, a, a_scale, b, b_scale, out, m_indices) -> torch.Tensor:
+        """See the module-level :func:`grouped_gemm_contiguous`."""
+        routing = self._routing()  # one routing for the whole call, even if a use() block ends meanwhile
+        module, api = _usable(routing)
+        N, K = int(b.shape[1]), int(b.shape[2])
+        with self._lock:
+            known = routing.failures.get((N, K))
+        if known is not None:
+            raise BackendUnavailableError(known)
+        try:
+            getattr(module, _names(api)[0])((a, a_scale), (b, b_scale), out, m_indices)
+        except Exception as e:
+            if not _is_build_failure(e):
+                raise
+            first = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
+            why = f"deep_gemm cannot build its GEMM for N={N}, K={K} here ({type(e).__name__}: {first})"
+            with self._lock:
+                routing.failures[(N, K)] = why
+            raise BackendUnavailableError(why) from e
+        return out
 
 
-# (N, K) of a GEMM that deep_gemm failed to build here -> why. Never compiled twice.
-_BUILD_FAILURES: dict[tuple[int, int], str] = {}
+def _usable(routing: _Routing) -> tuple[ModuleType, str]:
+    st, module = routing.status, routing.module
+    if not st.usable or module is None or st.api is None:
+        raise BackendUnavailableError(f"deep_gemm is not usable here: {st.reason}")
+    return module, st.api
+
+
+BACKEND = DeepGemmBackend()  # this process's deep_gemm
+status = BACKEND.status
+use = BACKEND.use
+build_failure = BACKEND.build_failure
+
+
 _BUILD_ERROR = re.compile(r"nvcc|compil|static assert|Misaligned barriers|ptxas", re.IGNORECASE)
-
-
-def build_failure(N: int, K: int) -> str | None:
-    """Why deep_gemm could not build its GEMM for ``[*, K] x [N, K]^T`` here, or None (not known to fail)."""
-    return _BUILD_FAILURES.get((int(N), int(K)))
 
 
 def _is_build_failure(e: BaseException) -> bool:
@@ -234,16 +304,9 @@ def _is_build_failure(e: BaseException) -> bool:
     )
 
 
-def _module() -> tuple[ModuleType, str]:
-    st, module = _load()
-    if not st.usable or module is None or st.api is None:
-        raise BackendUnavailableError(f"deep_gemm is not usable here: {st.reason}")
-    return module, st.api
-
-
 def m_alignment() -> int:
     """Rows per block of the contiguous layout (128 on Hopper). Raises if deep_gemm is unusable."""
-    module, api = _module()
+    module, api = BACKEND.module()
     return int(getattr(module, _names(api)[1])())
 
 
@@ -269,23 +332,12 @@ def grouped_gemm_contiguous(
         BackendUnavailableError: deep_gemm cannot run here, or cannot build a kernel for this
             shape (the message says why; the shape is remembered and never compiled again).
     """
-    module, api = _module()
-    N, K = b.shape[1], b.shape[2]
-    known = build_failure(N, K)
-    if known is not None:
-        raise BackendUnavailableError(known)
-    try:
-        getattr(module, _names(api)[0])((a, a_scale), (b, b_scale), out, m_indices)
-    except Exception as e:
-        if not _is_build_failure(e):
-            raise
-        first = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
-        _BUILD_FAILURES[(N, K)] = f"deep_gemm cannot build its GEMM for N={N}, K={K} here ({type(e).__name__}: {first})"
-        raise BackendUnavailableError(_BUILD_FAILURES[(N, K)]) from e
-    return out
+    return BACKEND.grouped_gemm_contiguous(a, a_scale, b, b_scale, out, m_indices)
 
 
 __all__ = [
+    "BACKEND",
+    "DeepGemmBackend",
     "DeepGemmStatus",
     "build_failure",
     "detect_api",

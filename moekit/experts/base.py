@@ -85,8 +85,10 @@ class Experts(ABC):
         """Raise a named error unless this class can run ``problem`` (the whole batch's M).
 
         The base checks the weights against ``self.quant`` and the a2 scale (per tensor, or one
-        per token, and only behind fp8). Subclasses add their own shape rules.
+        per token, and only behind fp8); every scale given must be a tensor on the weights' device.
+        Subclasses add their own shape rules.
         """
+        check_scale_tensors(weights, a2_scale)
         weights.check(self.quant)
         if a2_scale is None:
             return
@@ -130,6 +132,24 @@ class Experts(ABC):
 
     def __repr__(self) -> str:
         return f"{self.name}(quant={self.quant.value})"
+
+
+def check_scale_tensors(weights: MoEWeights, a2_scale: torch.Tensor | None = None) -> None:
+    """Each scale given (``w1_scale``, ``w2_scale``, ``a2_scale``) is a tensor on ``w1``'s device,
+    checked before anything reads its shape or values.
+
+    Raises:
+        QuantizationError: a scale that is not a tensor (a list, say).
+        InvalidInputError: a scale on another device than the weights (another GPU, the CPU, meta).
+    """
+    w1 = weights.w1
+    for name, scale in (("w1_scale", weights.w1_scale), ("w2_scale", weights.w2_scale), ("a2_scale", a2_scale)):
+        if scale is None:
+            continue
+        if not isinstance(scale, torch.Tensor):
+            raise QuantizationError(f"{name} must be a float tensor, got {type(scale).__name__}")
+        if scale.get_device() != w1.get_device() or scale.is_meta != w1.is_meta:  # -1 on the CPU and meta
+            raise InvalidInputError(f"{name} must be on the weights' device ({w1.device}), got {scale.device}")
 
 
 def carve(

@@ -33,6 +33,10 @@ from moekit.types import (
 )
 
 
+def _desc(scale) -> str:
+    return f"shape {tuple(scale.shape)}" if isinstance(scale, torch.Tensor) else f"a {type(scale).__name__}"
+
+
 class _BatchedExperts(Experts):
     """What both batched classes share: format flags, workspace shapes, the metadata check."""
 
@@ -65,7 +69,7 @@ class _BatchedExperts(Experts):
         if a2_scale is not None:
             raise QuantizationError(
                 f"{self.name} requantizes between the GEMMs with dynamic 1x128 scales and does not take "
-                f"a static a2_scale (got shape {tuple(a2_scale.shape)}); pass a2_scale=None"
+                f"a static a2_scale (got {_desc(a2_scale)}); pass a2_scale=None"
             )
 
     def _counts(self, call: ExpertsCall) -> ExpertTokensMetadata:

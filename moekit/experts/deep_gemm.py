@@ -48,8 +48,22 @@ from moekit.types import (
     QuantScheme,
     WorkspaceShapes,
 )
+from moekit.validate import check_flag
 
 BACKENDS = ("auto", "deep_gemm", "triton")
+# (GEMM1 real, GEMM2 real) -> the backend name in the trace
+_BACKEND_NAMES = {(True, True): "deep_gemm", (False, False): "deep_gemm[triton]",
+                  (False, True): "deep_gemm[triton GEMM1]", (True, False): "deep_gemm[triton GEMM2]"}  # fmt: skip
+
+
+def _gemm1(N: int, K: int) -> tuple[int, int]:
+    """(N, K) of GEMM1 as deep_gemm builds it: ``[*, K] x [N, K]^T``."""
+    return N, K
+
+
+def _gemm2(N: int, K: int) -> tuple[int, int]:
+    """(N, K) of GEMM2: ``[*, N/2] x [K, N/2]^T``."""
+    return K, N // 2
 
 
 def _round_up(x: int, m: int) -> int:
@@ -90,7 +104,9 @@ class DeepGemmExperts(Experts):
         quant: must be ``QuantScheme.FP8_BLOCK`` (1x128 activation, 128x128 weight scales).
         backend: ``"auto"`` (deep_gemm when :func:`moekit.backends.deep_gemm.status` says it
             is usable and both GEMMs' K are multiples of 128, else moekit's Triton contiguous
-            GEMM), ``"deep_gemm"`` (raise if unusable) or ``"triton"``.
+            GEMM; a GEMM whose shape deep_gemm failed to build here runs on the Triton GEMM from
+            then on, the other GEMM of the layer keeps deep_gemm), ``"deep_gemm"`` (raise if
+            unusable) or ``"triton"``.
         flat_output: declare the output ``(M * topk, K)``, as before PR #20392 (for teaching;
             a dispatcher whose other backend declares ``(M, topk, K)`` then breaks, as upstream did).
 
@@ -113,7 +129,7 @@ class DeepGemmExperts(Experts):
         if backend == "deep_gemm" and not dg.status().usable:
             raise BackendUnavailableError(f"backend='deep_gemm' asked for, but {dg.status().reason}")
         self.backend = backend
-        self.flat_output = bool(flat_output)
+        self.flat_output = check_flag(flat_output, "flat_output")
 
     def __repr__(self) -> str:
         flat = ", flat_output=True" if self.flat_output else ""
@@ -122,25 +138,41 @@ class DeepGemmExperts(Experts):
     # ----------------------------------------------------------------------------------------
     def _real_deep_gemm(self, N: int, K: int) -> bool:
         """Whether both GEMMs go to the real deep_gemm: GEMM1 ``[*, K] x [N, K]^T``, GEMM2
-        ``[*, N/2] x [K, N/2]^T``. A shape that deep_gemm failed to build here stays on Triton."""
+        ``[*, N/2] x [K, N/2]^T``."""
         return not self._fallback_reason(N, K)
 
-    def _fallback_reason(self, N: int, K: int) -> str:
-        """"" when the real deep_gemm runs this shape, else why moekit's Triton GEMM does."""
+    def _real_gemms(self, N: int, K: int) -> tuple[bool, bool]:
+        """Whether GEMM1 and GEMM2 each go to the real deep_gemm. Decided per GEMM shape: a shape that
+        deep_gemm failed to build here stays on moekit's Triton GEMM, the other GEMM does not."""
+        if self._layer_reason(N, K):
+            return False, False
+        return dg.build_failure(*_gemm1(N, K)) is None, dg.build_failure(*_gemm2(N, K)) is None
+
+    def _layer_reason(self, N: int, K: int) -> str:
+        """Why neither GEMM of this layer can run on the real deep_gemm, or ""."""
         if self.backend == "triton":
             return "backend='triton' was asked for"
         if (N // 2) % 128 or K % 128:
-            reason = f"deep_gemm needs N/2 and K multiples of 128, got N={N}, K={K}"
-        elif not dg.status().usable:
-            reason = dg.status().reason
-        else:
-            reason = dg.build_failure(N, K) or dg.build_failure(K, N // 2) or ""
+            return f"deep_gemm needs N/2 and K multiples of 128, got N={N}, K={K}"
+        if not dg.status().usable:
+            return dg.status().reason
+        return ""
+
+    def _fallback_reason(self, N: int, K: int) -> str:
+        """"" when the real deep_gemm runs both GEMMs of this shape, else why moekit's Triton GEMM
+        runs one (the failed build's message) or both."""
+        reason = self._layer_reason(N, K)
+        if not reason:
+            failed = (dg.build_failure(*_gemm1(N, K)), dg.build_failure(*_gemm2(N, K)))
+            reason = "; ".join(f"GEMM{i + 1} on Triton: {why}" for i, why in enumerate(failed) if why)
         if reason and self.backend == "deep_gemm":
             raise BackendUnavailableError(f"backend='deep_gemm' asked for, but {reason}")
         return reason
 
     def backend_for(self, problem: ProblemSize) -> str:
-        return "deep_gemm" if self._real_deep_gemm(problem.N, problem.K) else "deep_gemm[triton]"
+        """``"deep_gemm"`` (both GEMMs real), ``"deep_gemm[triton]"`` (both on moekit's Triton GEMM), or
+        ``"deep_gemm[triton GEMM1]"`` / ``"deep_gemm[triton GEMM2]"`` (one GEMM's shape fell back)."""
+        return _BACKEND_NAMES[self._real_gemms(problem.N, problem.K)]
 
     def why(self, problem: ProblemSize) -> str:
         return self._fallback_reason(problem.N, problem.K)
@@ -220,7 +252,7 @@ class DeepGemmExperts(Experts):
         ws13 = carve(call.workspace13, call.shapes.workspace13)
         ws2 = carve(call.workspace2, call.shapes.workspace2)
         M_sum = call.shapes.workspace13[0]
-        real = self._real_deep_gemm(N, K)
+        real1, real2 = self._real_gemms(N, K)
         if M == 0 or M_sum == 0:  # no local (token, slot) pair: every slot's output is zero
             call.output.zero_()
             return self.backend_for(p)
@@ -239,18 +271,18 @@ class DeepGemmExperts(Experts):
                 f"{routed} (token, slot) pairs to the local experts: the metadata belongs to another "
                 "batch (bug 2 of vLLM PR #20392: whole-batch counts handed to a chunk). Recount per chunk."
             )
-        rows = self._rows_in_use(real, call, layout, M_sum)
+        rows = self._rows_in_use(real1 or real2, call, layout, M_sum)
         mi, br = layout.m_indices[:rows], layout.block_rows[: rows // ALIGN_M]
         mm1 = carve(ws13, (M_sum, N))[:rows]
-        self._gemm(real, layout.a[:rows], layout.a_scale[:rows], w.w1, w.w1_scale, mm1, mi, br)
+        self._gemm(real1, layout.a[:rows], layout.a_scale[:rows], w.w1, w.w1_scale, mm1, mi, br)
         q, q_scale = _fp8_region(ws2.reshape(-1).view(torch.uint8), M_sum, N // 2)  # a is dead now
         q, q_scale = q[:rows], q_scale[:rows]
         static = call.a2_scale.reshape(-1).float() if call.a2_scale is not None else None
         launch_silu_and_mul_fp8_group(mm1, q, q_scale, rows, N // 2, static_scale=static)
         mm2 = carve(ws13, (M_sum, K))
-        self._gemm(real, q, q_scale, w.w2, w.w2_scale, mm2[:rows], mi, br)
+        self._gemm(real2, q, q_scale, w.w2, w.w2_scale, mm2[:rows], mi, br)
         unpermute_from_contiguous(mm2, layout.inv_perm, out=call.output)
-        return self.backend_for(p)  # "deep_gemm[triton]" if a GEMM fell back on a build failure
+        return self.backend_for(p)  # "deep_gemm[triton GEMM2]" if GEMM2 fell back on a build failure
 
     def apply_rows(self, call: ExpertsCall) -> str:
         """One chunk of the batch's sorted rows: it is already DeepGEMM's contiguous layout (128-row
@@ -272,14 +304,14 @@ class DeepGemmExperts(Experts):
         m_indices.copy_(experts.clamp(min=0).repeat_interleave(ALIGN_M))
         filled = (sorted_ids.view(-1, ALIGN_M) < layout.numel).sum(1)
         block_rows.copy_(torch.where(experts >= 0, filled, 0))
-        real = self._real_deep_gemm(N, K)
+        real1, real2 = self._real_gemms(N, K)
         mm1 = carve(ws13, (R, N))
-        self._gemm(real, a, a_scale, w.w1, w.w1_scale, mm1, m_indices, block_rows)
+        self._gemm(real1, a, a_scale, w.w1, w.w1_scale, mm1, m_indices, block_rows)
         q, q_scale = _fp8_region(raw2, R, N // 2)  # a is dead now
         static = call.a2_scale.reshape(-1).float() if call.a2_scale is not None else None
         launch_silu_and_mul_fp8_group(mm1, q, q_scale, R, N // 2, static_scale=static)
         mm2 = carve(ws13, (R, K))
-        self._gemm(real, q, q_scale, w.w2, w.w2_scale, mm2, m_indices, block_rows)
+        self._gemm(real2, q, q_scale, w.w2, w.w2_scale, mm2, m_indices, block_rows)
         scatter_positions(mm2, sorted_ids, experts, numel=layout.numel, expert_block=ALIGN_M, out=call.output)
         return self.backend_for(p)
 

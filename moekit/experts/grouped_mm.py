@@ -19,8 +19,9 @@ wrong answer: with whole-batch counts handed to a chunk, rows are multiplied by 
 experts' weights, and ``torch._grouped_mm`` raises nothing. Upstream vLLM had no standard-format
 consumer of this kind; moekit adds it to show what per-chunk counts protect.
 
-Under the guard (``ModularKernel(guard=True)``, the default) CPU counts that describe more pairs
-than the call holds raise StaleMetadataError first. GEMM outputs are allocated by torch (it has
+Under the guard (``ModularKernel(guard=True)``, the default) counts that are not the chunk's own
+raise StaleMetadataError first (see :meth:`GroupedMMExperts._counts`: no host read when they are
+the chunk's own, the default). GEMM outputs are allocated by torch (it has
 no ``out=`` for grouped GEMMs); the workspaces hold the gathered rows and the activation.
 """
 
@@ -98,18 +99,45 @@ class GroupedMMExperts(Experts):
         return "torch_grouped_mm"
 
     def _counts(self, call: ExpertsCall) -> torch.Tensor:
+        """The group sizes: the tokens per expert the call was handed, checked under the guard.
+
+        The modular kernel hands every chunk its own device counts (``call.counts``). When the
+        metadata's counts are that very tensor (the default, ``metadata_policy="per_chunk"``) they are
+        the chunk's own and nothing is checked. Otherwise (``"whole_batch"``, bug 2) the guard compares
+        them: first the CPU copy's sum against the pairs the call holds (no device read), then every
+        entry against the chunk's own counts (one host read, on this path only). Under an expert_map
+        the sums alone miss it: most pairs go to other ranks, so a whole batch's local counts can sum
+        to fewer pairs than one chunk holds and still place every group wrongly.
+        """
         meta = call.tokens_meta
         if meta is None:
             return call.counts  # the modular kernel counted this chunk
-        cpu = meta.expert_num_tokens_cpu
-        pairs = call.problem.M * call.problem.topk
-        if call.guard and cpu is not None and int(cpu.sum()) > pairs:  # moekit's check (no device sync)
-            raise StaleMetadataError(
-                f"tokens_meta counts {int(cpu.sum())} (token, slot) pairs, but this call holds only "
-                f"{call.problem.M} rows x {call.problem.topk} slots = {pairs}: the counts describe a larger batch "
-                "(bug 2 of vLLM PR #20392). Recount per chunk (ModularKernel(metadata_policy='per_chunk'))."
-            )
-        return meta.expert_num_tokens
+        handed = meta.expert_num_tokens
+        if call.guard and handed is not call.counts:
+            _check_fresh(call, meta)
+        return handed
+
+
+def _check_fresh(call: ExpertsCall, meta: ExpertTokensMetadata) -> None:
+    """StaleMetadataError unless ``meta`` counts the rows of ``call`` (see ``GroupedMMExperts._counts``)."""
+    p, cpu = call.problem, meta.expert_num_tokens_cpu
+    pairs = p.M * p.topk
+    fix = "(bug 2 of vLLM PR #20392). Recount per chunk (ModularKernel(metadata_policy='per_chunk'))."
+    if cpu is not None and int(cpu.sum()) > pairs:
+        raise StaleMetadataError(
+            f"tokens_meta counts {int(cpu.sum())} (token, slot) pairs, but this call holds only "
+            f"{p.M} rows x {p.topk} slots = {pairs}: the counts describe a larger batch {fix}"
+        )
+    own = call.counts
+    if own is None:
+        return  # called outside the modular kernel: nothing to compare with
+    handed = meta.expert_num_tokens
+    if handed.shape != own.shape or not torch.equal(handed, own.to(handed.device)):
+        got = (cpu if cpu is not None else handed).tolist()
+        raise StaleMetadataError(
+            f"tokens_meta counts {got} rows per local expert, but the {p.M} rows x {p.topk} slots of this "
+            f"call count {own.tolist()}: the counts describe other rows {fix}"
+        )
 
 
 def _local_ids(ids: torch.Tensor, E: int, expert_map: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

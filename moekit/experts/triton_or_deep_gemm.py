@@ -34,6 +34,7 @@ from moekit.experts.base import Experts
 from moekit.experts.deep_gemm import DeepGemmExperts
 from moekit.experts.triton import TritonExperts
 from moekit.types import ExpertsCall, ExpertTokensMetadata, MoEWeights, ProblemSize, QuantScheme, WorkspaceShapes
+from moekit.validate import check_flag
 
 DEEP_GEMM_MIN_M = 128  # upstream's switch is M >= 128 (the PR text says "> 128")
 
@@ -55,6 +56,7 @@ class TritonOrDeepGemmExperts(Experts):
         self, *, quant: QuantScheme = QuantScheme.FP8_BLOCK, deep_gemm_backend: str = "auto", flat_output: bool = False
     ):
         super().__init__(quant=quant)
+        check_flag(flat_output, "flat_output")  # checked also when no DeepGemm sub-experts is built
         self.triton = TritonExperts(quant=quant)
         self.deep_gemm = (
             DeepGemmExperts(quant=quant, backend=deep_gemm_backend, flat_output=flat_output)

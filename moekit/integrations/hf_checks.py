@@ -8,13 +8,31 @@ overrides the gating (``_apply_gate``), and what its ``act_fn`` computes.
 
 The fp8 checks (:mod:`moekit.integrations.hf_fp8`) build on these; a whole model is checked by
 :func:`moekit.integrations.transformers.check_model`, which picks the check for each module.
+:func:`check_routing_ids` checks what a forward is handed: transformers' expert ids.
 """
 
 from __future__ import annotations
 
 import torch
 
-from moekit.errors import UnsupportedModelError
+from moekit.errors import InvalidIdsError, UnsupportedModelError
+
+
+def bad_routing_ids(top_k_index: torch.Tensor, E: int) -> torch.Tensor:
+    """Where ``top_k_index`` holds neither an expert id in ``[0, E)`` nor an empty slot: transformers'
+    marker ``E`` (``RouterParallel``), or moekit's -1. A bool tensor; nothing is read back."""
+    return (top_k_index > E) | (top_k_index < -1)
+
+
+def check_routing_ids(top_k_index: torch.Tensor, E: int) -> None:
+    """Raise InvalidIdsError for an id that is neither an expert of ``[0, E)`` nor an empty slot
+    (``E`` or -1), naming it. Reads the ids back: a host sync on a GPU."""
+    bad = bad_routing_ids(top_k_index, E)
+    if bad.any():
+        raise InvalidIdsError(
+            f"top_k_index must hold expert ids in [0, {E}) or {E} (transformers' empty-slot marker), got "
+            f"{top_k_index[bad][:4].tolist()} at slots {bad.nonzero()[:4].tolist()}"
+        )
 
 
 def check_module(module: torch.nn.Module, *, name: str | None = None) -> None:

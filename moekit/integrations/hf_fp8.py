@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from moekit.errors import OptionalDependencyError, UnsupportedModelError
-from moekit.integrations.hf_checks import check_module, is_experts, is_silu
+from moekit.integrations.hf_checks import check_module, check_routing_ids, is_experts, is_silu
 from moekit.quant import FP8, FP8_GROUP
 
 BLOCK = (FP8_GROUP, FP8_GROUP)
@@ -141,7 +141,11 @@ def fp8_reference_forward(module, hidden_states, top_k_index, top_k_weights) -> 
     """An FP8Experts forward in fp32 torch that rounds what moekit's fp8 path rounds: the
     activations quantized per token in 1 x 128 groups, the dequantized block weights, and the
     intermediate (silu(gate) * up) quantized the same way before GEMM2. The oracle of the fp8 path
-    (register it with :func:`register_fp8_reference`)."""
+    (register it with :func:`register_fp8_reference`).
+
+    Id ``E`` (transformers' marker of an empty slot: an expert on another rank) and -1 add nothing;
+    any other id outside ``[0, E)`` raises InvalidIdsError, as moekit does on the CPU.
+    """
     from moekit.quant import dequantize_fp8_block, dequantize_fp8_per_token_group, quantize_fp8_per_token_group
     from moekit.reference import silu_and_mul
 
@@ -149,12 +153,13 @@ def fp8_reference_forward(module, hidden_states, top_k_index, top_k_weights) -> 
         return dequantize_fp8_per_token_group(*quantize_fp8_per_token_group(x.float()))
 
     E = module.gate_up_proj.shape[0]
+    check_routing_ids(top_k_index, E)
     w1 = dequantize_fp8_block(module.gate_up_proj, module.gate_up_proj_scale_inv)
     w2 = dequantize_fp8_block(module.down_proj, module.down_proj_scale_inv)
     x = fake_quant(hidden_states)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in top_k_index.unique().tolist():
-        if not 0 <= e < E:  # transformers marks remote / empty slots with E
+        if e in (E, -1):  # an empty slot: E is transformers' marker (remote experts), -1 moekit's
             continue
         token, slot = (top_k_index == e).nonzero(as_tuple=True)
         act = fake_quant(silu_and_mul(x[token] @ w1[e].t()))

@@ -15,7 +15,9 @@ all it takes::
 Every experts module gets its own ``ModularKernel(NoEPPrepareFinalize(), experts, chunk_size=C)``
 on its first forward (all layers share one workspace pool per device), after a check that the
 module computes exactly ``down(silu(gate) * up)``: no biases, SiLU, gate rows before up rows, no
-custom gating. Anything else raises :class:`~moekit.errors.UnsupportedModelError`.
+custom gating. Anything else raises :class:`~moekit.errors.UnsupportedModelError`. Routing ids
+are transformers' (id E marks an empty slot); any other id outside the layer's experts is refused
+on the CPU and poisons its token with NaN on a GPU, without a host sync (:func:`moekit_routing`).
 
 fp8 block-quantized models (transformers' fine-grained fp8: ``FP8Experts`` with 128 x 128 weight
 scales and dynamic 1 x 128 activation scales, as ``Qwen/Qwen3-30B-A3B-FP8``) run through
@@ -34,15 +36,22 @@ import torch
 
 from moekit.errors import InvalidInputError, OptionalDependencyError, UnsupportedModelError
 from moekit.experts.base import Experts
-from moekit.integrations.hf_checks import check_module, is_experts
+from moekit.integrations.hf_checks import bad_routing_ids, check_module, check_routing_ids, is_experts
 from moekit.integrations.hf_fp8 import check_fp8_module, is_fp8_experts, to_fp8_experts
+from moekit.workspace import PoolRegistry
 
-__all__ = ["check_fp8_module", "check_model", "check_module", "register", "to_fp8_experts", "traces"]
+__all__ = [
+    "check_fp8_module", "check_model", "check_module", "moekit_routing", "nan_weights_of_bad_ids", "register",
+    "to_fp8_experts", "traces",
+]  # fmt: skip
 
 NAME = "moekit"
 INSTALL_HINT = "pip install 'moekit[hf]'"
 # The names of moekit.experts.BY_NAME that each kind of layer may ask for.
 _NAMES = {"experts": ("triton",), "fp8_experts": ("triton", "triton_or_deep_gemm")}
+# What register() passes on to ModularKernel; the chunk size is its own argument, and the workspace
+# pool is the integration's (one per device, shared by every layer).
+KERNEL_OPTIONS = ("chunk_by", "guard", "metadata_policy", "trace_counts", "workspace_policy")
 
 
 def _hf_moe():
@@ -67,7 +76,7 @@ class Settings:
     chunk_size: int | None
     kernel_options: dict
     make_fp8_experts: Callable[[], Experts] | None = None
-    pools: dict = field(default_factory=dict)  # device -> WorkspacePool, shared by all layers
+    pools: PoolRegistry = field(default_factory=PoolRegistry)  # one WorkspacePool per device, for every layer
 
     def build_kernel(self, device: torch.device, *, fp8: bool = False):
         """A new ModularKernel for one layer (fp8: for an FP8Experts layer), on this setting's
@@ -75,9 +84,8 @@ class Settings:
         from moekit.modular_kernel import ModularKernel
         from moekit.prepare_finalize import NoEPPrepareFinalize
         from moekit.types import QuantScheme
-        from moekit.workspace import WorkspacePool
 
-        pool = self.pools.setdefault(device, WorkspacePool(device))
+        pool = self.pools.get(device)
         experts = _checked_experts(self.make_fp8_experts() if fp8 else self.make_experts())
         if fp8 and experts.quant is not QuantScheme.FP8_BLOCK:
             raise InvalidInputError(f"fp8_experts must run QuantScheme.FP8_BLOCK, got {experts!r}")
@@ -115,14 +123,22 @@ def register(
         name: the implementation name; register several (``"moekit-c16"``) to compare settings.
         fp8_experts: what fp8 block-quantized layers (``FP8Experts``) run: ``"triton_or_deep_gemm"``
             (the default), ``"triton"``, or an fp8 :class:`Experts` instance or factory.
-        **kernel_options: passed to :class:`~moekit.ModularKernel` (``trace_counts``,
-            ``workspace_policy``, ``metadata_policy``, ``guard``).
+        **kernel_options: passed to :class:`~moekit.ModularKernel`: ``trace_counts``,
+            ``workspace_policy``, ``metadata_policy``, ``guard``, ``chunk_by`` (:data:`KERNEL_OPTIONS`;
+            not ``pool``: every layer on a device shares the integration's pool).
 
     Raises:
         OptionalDependencyError: transformers is not installed (``pip install 'moekit[hf]'``).
         InvalidInputError, ChunkSizeError: bad ``experts``, ``chunk_size`` or options.
         BackendUnavailableError: on a CPU, Triton was imported before moekit (import moekit first).
     """
+    unknown = sorted(set(kernel_options) - set(KERNEL_OPTIONS))
+    if unknown:
+        raise InvalidInputError(
+            f"register() passes {KERNEL_OPTIONS} on to ModularKernel, got {unknown}"
+            + ("; the workspace pool is the integration's (one per device, shared by every layer)"
+               if "pool" in unknown else "")  # fmt: skip
+        )
     moe = _hf_moe()
     _check_import_order()
     taken = moe.ALL_EXPERTS_FUNCTIONS.get(name) if isinstance(name, str) else None
@@ -200,15 +216,44 @@ def _forward(settings: Settings, module, hidden_states, top_k_index, top_k_weigh
             "under torch.no_grad() or torch.inference_mode().",
             stacklevel=3,
         )
-    # transformers marks empty slots (experts on other ranks) with id E; moekit uses -1.
-    ids = torch.where(top_k_index < w1.shape[0], top_k_index, -1).contiguous()
     with torch.no_grad():
+        ids, weights = moekit_routing(top_k_index, top_k_weights, w1.shape[0])
         if fp8:  # prepare quantizes the activations per 1x128 group, as transformers' dynamic scheme
             scales = dict(w1_scale=module.gate_up_proj_scale_inv, w2_scale=module.down_proj_scale_inv)
-            out = layer.kernel(hidden_states.contiguous(), w1, w2, top_k_weights.contiguous(), ids, **scales)
+            out = layer.kernel(hidden_states.contiguous(), w1, w2, weights, ids, **scales)
         else:
-            out = layer.kernel(hidden_states.to(w1.dtype).contiguous(), w1, w2, top_k_weights.contiguous(), ids)
+            out = layer.kernel(hidden_states.to(w1.dtype).contiguous(), w1, w2, weights, ids)
     return out.to(hidden_states.dtype)
+
+
+def moekit_routing(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, E: int):
+    """transformers' routing ``[M, topk]`` in moekit's convention: ``(ids, weights)``, contiguous.
+
+    transformers marks an empty slot (an expert on another rank, ``RouterParallel``) with id ``E``,
+    the layer's expert count; moekit marks it -1. Only ``E`` itself is that marker: any other id
+    outside ``[-1, E]`` is a bug in the router (or the checkpoint), never an empty slot.
+
+    - ids on the CPU are checked here (reading them costs no sync): InvalidIdsError;
+    - ids on a GPU are not read back (that would be a host sync per layer per forward, and no CUDA
+      graph could hold it): the weight of such a slot becomes NaN, so that its token's output is NaN,
+      never a plausible answer with that slot silently dropped.
+
+    >>> moekit_routing(torch.tensor([[0, 4]]), torch.tensor([[0.5, 0.5]]), 4)[0].tolist()
+    [[0, -1]]
+
+    Raises:
+        InvalidIdsError: (CPU) an id below -1 or above ``E``, named with its value.
+    """
+    ids = torch.where(top_k_index == E, -1, top_k_index).contiguous()
+    if top_k_index.device.type == "cpu":
+        check_routing_ids(top_k_index, E)
+        return ids, top_k_weights.contiguous()
+    return ids, nan_weights_of_bad_ids(top_k_index, top_k_weights, E)
+
+
+def nan_weights_of_bad_ids(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, E: int) -> torch.Tensor:
+    """``top_k_weights`` with NaN where the id is outside ``[-1, E]`` (no host read; see :func:`moekit_routing`)."""
+    return torch.where(bad_routing_ids(top_k_index, E), float("nan"), top_k_weights).contiguous()
 
 
 def _check_import_order() -> None:

@@ -6,6 +6,7 @@ import torch
 
 from moekit.prepare_finalize.base import PrepareFinalize, quantize_activations, weight_and_reduce
 from moekit.types import ActivationFormat, ExpertPlacement, ExpertTokensMetadata, Prepared, QuantScheme
+from moekit.validate import check_flag
 
 
 class NoEPPrepareFinalize(PrepareFinalize):
@@ -15,12 +16,15 @@ class NoEPPrepareFinalize(PrepareFinalize):
         return_counts: also return ``ExpertTokensMetadata`` (device and CPU counts of tokens per
             local expert), as a DeepEP-style all-to-all would. Off by default, as upstream; on,
             it lets one process show how chunking must recount them (bug 2 of PR #20392).
+
+    Raises:
+        InvalidInputError: ``return_counts`` is not a bool (``"no"`` would switch it on).
     """
 
     activation_format = ActivationFormat.STANDARD
 
     def __init__(self, *, return_counts: bool = False):
-        self.return_counts = return_counts
+        self.return_counts = check_flag(return_counts, "return_counts")
 
     def prepare(
         self,

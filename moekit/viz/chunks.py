@@ -58,7 +58,12 @@ def plot_tokens_per_expert(counts, *, ax=None, title: str = "tokens per expert",
 
 
 def plot_counts_heatmap(counts, *, ax=None, title: str = "tokens per (chunk, expert)", annotate: bool | None = None):
-    """A chunk x expert heatmap; cells hold the tokens each chunk sends to each expert."""
+    """A chunk x expert heatmap; cells hold the tokens each chunk sends to each expert (written in the
+    cells when ``annotate``; None: when there are at most 160 cells)."""
+    if annotate is not None:
+        from moekit.validate import check_flag
+
+        check_flag(annotate, "annotate")
     fig, ax = axes_or_new(ax)
     c = to_numpy(counts)
     im = ax.imshow(c, aspect="auto", cmap="viridis", interpolation="nearest")

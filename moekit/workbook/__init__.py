@@ -23,6 +23,7 @@ import inspect
 from dataclasses import dataclass
 
 from moekit.errors import ExerciseFailed, InvalidInputError
+from moekit.validate import check_flag
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,7 @@ def grade(key: str, *objects) -> int:
 def check(key: str, *objects, strict: bool = False) -> bool:
     """Grade and print one line: ``PASS`` with the number of cases, or ``FAIL`` and why."""
     title = _exercise(key).title
+    check_flag(strict, "strict")
     try:
         cases = grade(key, *objects)
     except ExerciseFailed as e:

@@ -12,7 +12,7 @@ import torch
 
 from moekit import ModularKernel, QuantScheme
 from moekit.backends import deep_gemm as dg
-from moekit.errors import BackendUnavailableError
+from moekit.errors import BackendUnavailableError, InvalidInputError
 from moekit.experts import DeepGemmExperts
 from moekit.prepare_finalize import NoEPPrepareFinalize
 from moekit.testing import assert_close
@@ -148,10 +148,10 @@ class RefusingDeepGemm:
         contiguous_gemm(a, a_s, b, b_s, m_indices, out=out)
 
 
-def _fp8_problem(K):
+def _fp8_problem(K, N=512):
     from moekit.testing import make_problem
 
-    return make_problem(20, E=3, topk=2, K=K, N=512, quant=QuantScheme.FP8_BLOCK, seed=4)
+    return make_problem(20, E=3, topk=2, K=K, N=N, quant=QuantScheme.FP8_BLOCK, seed=4)
 
 
 def test_a_shape_deep_gemm_cannot_build_falls_back_once_and_says_why(fresh_cache):
@@ -161,15 +161,59 @@ def test_a_shape_deep_gemm_cannot_build_falls_back_once_and_says_why(fresh_cache
         p = _fp8_problem(K=128)  # GEMM1 reduces over K=128: refused; GEMM2 over N/2=256: built
         for _ in range(3):
             assert_close(kernel(*p.inputs(), **p.options()), p.reference(), dtype=p.dtype)
-        # The first call tries both GEMMs (GEMM2 builds); once a GEMM of this layer shape failed to
-        # build, the shape runs on moekit's Triton GEMM and deep_gemm is never asked again.
-        assert stub.calls == [(512, 128), (128, 256)]
+        # The first call tries both GEMMs; GEMM1's shape failed to build, so it runs on moekit's Triton
+        # GEMM from then on and deep_gemm is never asked for it again. GEMM2 stays on deep_gemm.
+        assert stub.calls == [(512, 128)] + [(128, 256)] * 3
         (record,) = kernel.last_trace.chunks
-        assert record.backend == "deep_gemm[triton]" and "N=512, K=128" in record.note
+        assert record.backend == "deep_gemm[triton GEMM1]" and "GEMM1 on Triton" in record.note
+        assert "N=512, K=128" in record.note and "GEMM2" not in record.note
         assert dg.build_failure(512, 128) and dg.build_failure(128, 256) is None
         q = _fp8_problem(K=256)  # both GEMMs build: the real backend runs
         kernel(*q.inputs(), **q.options())
         assert kernel.last_trace.backends == ["deep_gemm"] and kernel.last_trace.chunks[0].note == ""
+
+
+def test_when_only_gemm2_cannot_be_built_gemm1_stays_on_deep_gemm(fresh_cache):
+    # Issue 25, item 16: a GEMM2 build failure sent both GEMMs of the layer to Triton for good.
+    stub = RefusingDeepGemm()
+    with dg.use(stub):
+        kernel = ModularKernel(NoEPPrepareFinalize(), DeepGemmExperts())
+        p = _fp8_problem(K=256, N=256)  # GEMM1 reduces over K=256: built; GEMM2 over N/2=128: refused
+        for _ in range(3):
+            assert_close(kernel(*p.inputs(), **p.options()), p.reference(), dtype=p.dtype)
+        assert stub.calls == [(256, 256), (256, 128), (256, 256), (256, 256)]
+        (record,) = kernel.last_trace.chunks
+        assert record.backend == "deep_gemm[triton GEMM2]"
+        assert record.note.startswith("GEMM2 on Triton: deep_gemm cannot build its GEMM for N=256, K=128")
+        assert dg.build_failure(256, 128) and dg.build_failure(256, 256) is None
+
+
+def test_the_backend_state_is_one_thread_safe_object(fresh_cache):
+    # Issue 25, item 16: no module globals swapped by use(); overlapping blocks end in any order.
+    import threading
+
+    assert dg.status.__self__ is dg.BACKEND and dg.use.__self__ is dg.BACKEND
+    assert not any(hasattr(dg, name) for name in ("_CACHE", "_BUILD_FAILURES"))
+    probed = dg.status()
+    first, second = RefusingDeepGemm(), RefusingDeepGemm()
+    entered, leave_first = threading.Event(), threading.Event()
+
+    def hold_first():
+        with dg.use(first, reason="first"):
+            entered.set()
+            leave_first.wait(10)
+
+    holder = threading.Thread(target=hold_first)
+    holder.start()
+    entered.wait(10)
+    with dg.use(second, reason="second"):
+        assert dg.status().reason == "second"
+        leave_first.set()
+        holder.join(10)  # the first block ends inside the second one
+        assert dg.status().reason == "second" and dg.BACKEND.module()[0] is second
+    assert dg.status() == probed  # both gone: the probed state is back
+    with pytest.raises(InvalidInputError, match="refresh must be True or False"):
+        dg.status(refresh="yes")
 
 
 def test_forcing_deep_gemm_on_a_shape_it_cannot_build_is_named(fresh_cache):

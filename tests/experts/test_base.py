@@ -130,3 +130,20 @@ def test_quant_must_be_a_scheme_and_names_show_in_repr():
     assert "fp8_block" in repr(experts)
     with pytest.raises(TypeError):
         Experts()  # abstract: workspace_shapes and apply
+
+
+@pytest.mark.parametrize("name", ["w1_scale", "w2_scale", "a2_scale"])
+def test_scales_must_be_tensors_on_the_weights_device(name):
+    # Issue 25, item 15: a list raised AttributeError ('list' object has no attribute 'shape'), a scale
+    # on another device (meta here; another GPU there) a raw error from deep inside.
+    p = make_problem(5, E=4, K=128, N=256, quant=QuantScheme.FP8_BLOCK)
+    given = {"w1_scale": p.w1_scale, "w2_scale": p.w2_scale, "a2_scale": torch.rand(1) + 0.5}
+    for experts in (TritonExperts(quant=QuantScheme.FP8_BLOCK), DeepGemmExperts(backend="triton")):
+        as_list = {**given, name: given[name].tolist()}
+        with expect_raises(QuantizationError, match=f"{name} must be a float tensor, got list"):
+            experts.check(sizes_of(p), MoEWeights(p.w1, p.w2, as_list["w1_scale"], as_list["w2_scale"]),
+                          a2_scale=as_list["a2_scale"])  # fmt: skip
+        elsewhere = {**given, name: given[name].to("meta")}
+        with expect_raises(InvalidInputError, match=rf"{name} must be on the weights' device \(cpu\), got meta"):
+            experts.check(sizes_of(p), MoEWeights(p.w1, p.w2, elsewhere["w1_scale"], elsewhere["w2_scale"]),
+                          a2_scale=elsewhere["a2_scale"])  # fmt: skip

@@ -243,3 +243,12 @@ def test_gpu_triton_matches_reference(quant):
         weights, ids,
     )
     assert_close(out, expected, dtype=FP8)
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_an_a2_scale_that_is_not_a_tensor_is_named(cls):
+    hidden, w1, w2, weights, ids = _layer(12, 128, 256, 4, 2, torch.float32)
+    (q1, s1), (q2, s2) = quantize_fp8_block(w1), quantize_fp8_block(w2)
+    fp8 = moekit.ModularKernel(BatchedPrepareFinalize(max_tokens=24), cls(quant=QuantScheme.FP8_BLOCK))
+    with expect_raises(QuantizationError, match=r"does not take a static a2_scale \(got a list\)"):
+        fp8(hidden, q1, q2, weights, ids, w1_scale=s1, w2_scale=s2, a2_scale=[0.01])

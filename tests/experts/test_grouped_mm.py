@@ -53,3 +53,32 @@ def test_refuses_fp8_and_unaligned_rows():
     p = make_problem(4, K=36, N=64, dtype=torch.bfloat16)  # 72-byte rows
     with expect_raises(QuantizationError, match="16 bytes"):
         moekit.ModularKernel(NoEPPrepareFinalize(), GroupedMMExperts())(*p.inputs())
+
+
+@pytest.mark.parametrize("rank", range(4))
+def test_the_guard_catches_whole_batch_counts_under_an_expert_map(rank):
+    # Issue 25, item 5: with 4 ranks most pairs go elsewhere, so the whole batch's local counts sum to
+    # fewer pairs than one chunk holds (22 < 32 on rank 0): a check of the sum alone let them through.
+    p = make_problem(48, E=8, topk=2, K=32, N=64, dtype=torch.float32, seed=2).shard(rank, 4)
+    pf = NoEPPrepareFinalize(return_counts=True)
+    stale = moekit.ModularKernel(pf, GroupedMMExperts(), chunk_size=16, metadata_policy="whole_batch", guard=False)
+    out = stale(*p.inputs(), **p.options())
+    assert float((out - p.reference()).abs().max()) > 0.1 * float(p.reference().abs().max())
+    guarded = moekit.ModularKernel(pf, GroupedMMExperts(), chunk_size=16, metadata_policy="whole_batch")
+    with expect_raises(StaleMetadataError, match=r"rows per local expert, but the 16 rows x 2 slots"):
+        guarded(*p.inputs(), **p.options())
+
+
+@pytest.mark.parametrize("C", [None, 16])
+def test_fresh_counts_are_not_read_back(monkeypatch, C):
+    # The default path hands each chunk its own counts (the same tensor as call.counts): the guard
+    # compares nothing, so it adds no host sync to a GPU forward.
+    import moekit.experts.grouped_mm as grouped_mm
+
+    def no_check(call, meta):
+        raise AssertionError("the guard compared a chunk's own counts")
+
+    monkeypatch.setattr(grouped_mm, "_check_fresh", no_check)
+    p = make_problem(48, E=8, topk=2, K=32, N=64, dtype=torch.float32, seed=2).shard(1, 4)
+    kernel = moekit.ModularKernel(NoEPPrepareFinalize(return_counts=True), GroupedMMExperts(), chunk_size=C)
+    assert_close(kernel(*p.inputs(), **p.options()), p.reference(), dtype=torch.float32)

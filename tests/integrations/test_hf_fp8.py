@@ -118,6 +118,27 @@ def test_greedy_generation_is_the_same_with_chunks_of_64(models):
         assert float(top2[0] - top2[1]) <= 0.06 * scale, f"generation parted at step {step} without a tie"
 
 
+def test_the_fp8_oracle_and_moekit_skip_transformers_empty_marker(models):
+    # Issue 25's test holes: the oracle indexing the weights with id E went unnoticed (no test had E).
+    from moekit.errors import InvalidIdsError
+
+    _, fp8 = models
+    module = fp8.model.layers[0].mlp.experts
+    torch.manual_seed(3)
+    hidden, weights = torch.randn(6, 128, device=DEVICE), torch.rand(6, 2, device=DEVICE)
+    marked = torch.tensor([[0, 8], [8, 3], [5, 6], [8, 8], [7, 1], [2, 8]], device=DEVICE)  # 8 = E: empty
+    dropped = torch.where(marked == 8, 0, weights)
+    fp8.set_experts_implementation("fp8-reference")
+    with torch.no_grad():
+        want = module(hidden, marked % 8, dropped)
+        assert_close(module(hidden, marked, weights), want, dtype=torch.float32)
+        assert not want[3].any()  # a token whose every slot is empty gets nothing
+        with expect_raises(InvalidIdsError, match=r"or 8 \(transformers' empty-slot marker\), got \[1000, 1000"):
+            module(hidden, torch.where(marked == 8, 1000, marked), weights)
+        fp8.set_experts_implementation("moekit-fp8")
+        assert_close(module(hidden, marked, weights), want, dtype=FP8)
+
+
 def _fp8_module(**overrides):
     from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS, FP8Experts
     from transformers.integrations.moe import use_experts_implementation
@@ -138,7 +159,10 @@ def _fp8_module(**overrides):
     (dict(scale_fmt="ue8m0"), "UE8M0"),
     (dict(config=dict(swiglu_limit=7.0)), "clamps or scales its SwiGLU"),
     (dict(config=dict(hidden_act="gelu")), "not SiLU"),
-    (dict(config=dict(hidden_size=64, head_dim=16)), "multiples of 128"),
+    (dict(config=dict(hidden_size=64, head_dim=16)), "hidden size 64 and intermediate size 128 must be"),
+    # Issue 25's test holes: a check of the hidden size alone let these through (or named their scales).
+    (dict(config=dict(moe_intermediate_size=64)), "hidden size 128 and intermediate size 64 must be multiples of 128"),
+    (dict(config=dict(moe_intermediate_size=192)), "and intermediate size 192 must be multiples of 128"),
     (dict(has_gate=False), "not gated"),
 ])  # fmt: skip
 def test_fp8_variants_moekit_cannot_run_are_refused_with_the_reason(overrides, reason):

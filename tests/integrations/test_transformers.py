@@ -24,11 +24,14 @@ import moekit  # noqa: E402
 import moekit.integrations.transformers as moekit_hf  # noqa: E402
 from moekit.errors import (  # noqa: E402
     ChunkSizeError,
+    InvalidIdsError,
     InvalidInputError,
     OptionalDependencyError,
     UnsupportedModelError,
 )
-from moekit.testing import assert_close, expect_raises  # noqa: E402
+from moekit.experts.triton import TritonExperts  # noqa: E402
+from moekit.prepare_finalize import NoEPPrepareFinalize  # noqa: E402
+from moekit.testing import assert_close, expect_raises, make_problem  # noqa: E402
 
 pytestmark = pytest.mark.hf
 DEVICE = moekit.device.get_device()  # the kernels' device: the models and their inputs go there
@@ -198,6 +201,43 @@ def test_every_experts_class_matches_eager_or_is_refused(family, cls_name):
         assert_close(module(hidden, ids, weights), expected, dtype=torch.float32)
 
 
+def test_only_E_marks_an_empty_slot_and_other_ids_are_named():
+    # Issue 25, item 3: the `< E` test meant for transformers' marker E also swallowed 1000.
+    module = _tiny_experts("qwen3_moe", "Qwen3MoeExperts")
+    hidden, weights = torch.randn(4, 64, device=DEVICE), torch.rand(4, 2, device=DEVICE)
+    marked = torch.tensor([[0, 8], [8, 3], [5, 6], [8, 8]], device=DEVICE)  # 8 = E: an empty slot
+    with torch.no_grad():
+        module.config._experts_implementation = "eager"  # its one_hot refuses id E: drop those slots by weight
+        expected = module(hidden, marked % 8, torch.where(marked == 8, 0, weights))
+        module.config._experts_implementation = "moekit"
+        assert_close(module(hidden, marked, weights), expected, dtype=torch.float32)
+        for bad in (1000, 9, -2):
+            ids = marked.clone()
+            ids[2, 1] = bad
+            if DEVICE.type == "cpu":
+                with expect_raises(InvalidIdsError, match=rf"\[0, 8\) or 8 .*got \[{bad}\] at slots \[\[2, 1\]\]"):
+                    module(hidden, ids, weights)
+            else:  # no host read on a GPU: the token of a bad slot comes out NaN
+                out = module(hidden, ids, weights)
+                assert out[2].isnan().all() and not out[[0, 1, 3]].isnan().any()
+
+
+def test_bad_ids_poison_their_token_without_a_host_read():
+    # What a GPU forward does with an id outside [-1, E] (the kernels treat it as an empty slot):
+    # its weight is NaN, so finalize's weighted sum makes that token's row NaN, never plausible.
+    ids = torch.tensor([[0, 1000], [8, 3], [-2, 1], [-1, 2]])
+    weights = torch.rand(4, 2)
+    poisoned = moekit_hf.nan_weights_of_bad_ids(ids, weights, 8)
+    assert poisoned.isnan().tolist() == [[False, True], [False, False], [True, False], [False, False]]
+    assert torch.equal(poisoned[~poisoned.isnan()], weights[~poisoned.isnan()])
+    p = make_problem(4, E=8, topk=2, K=32, N=64, dtype=torch.float32, device=DEVICE)
+    as_the_kernels_see_them = torch.where((ids > 8) | (ids < -1) | (ids == 8), -1, ids).to(DEVICE)
+    kernel = moekit.ModularKernel(NoEPPrepareFinalize(), TritonExperts())
+    with torch.no_grad():
+        out = kernel(p.hidden, p.w1, p.w2, poisoned.to(DEVICE), as_the_kernels_see_them)
+    assert out.isnan().any(1).tolist() == [True, False, True, False]
+
+
 def test_registering_again_rebuilds_each_layer_kernel():
     module = _tiny_experts("mixtral", "MixtralExperts")
     module.config._experts_implementation = "moekit-again"
@@ -218,8 +258,13 @@ def test_register_validates_and_names_the_extra(monkeypatch):
         moekit_hf.register(name="grouped_mm")
     with expect_raises(ChunkSizeError):
         moekit_hf.register(chunk_size=0, name="moekit-bad")
-    from moekit.experts.triton import TritonExperts
-
+    # Issue 25, item 15: both were TypeErrors from ModularKernel's signature.
+    with expect_raises(InvalidInputError, match=r"on to ModularKernel, got \['bogus_option'\]"):
+        moekit_hf.register(bogus_option=1, name="moekit-bad")
+    with expect_raises(InvalidInputError, match=r"got \['pool'\]; the workspace pool is the integration's"):
+        moekit_hf.register(pool=None, name="moekit-bad")
+    with expect_raises(InvalidInputError, match="guard must be True or False"):
+        moekit_hf.register(guard="no", name="moekit-bad")
     assert moekit_hf.register(experts=TritonExperts(), name="moekit-instance") == "moekit-instance"
     assert moekit_hf.register(experts=TritonExperts, name="moekit-factory") == "moekit-factory"
     for mod in [m for m in sys.modules if m.split(".")[0] == "transformers"]:
@@ -241,6 +286,30 @@ def test_fp8_experts_are_refused_and_training_warns():
                      torch.rand(4, 2, device=DEVICE))
     assert not out.requires_grad
     assert any("inference-only" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+def test_a_model_copies_after_a_moekit_forward(how):
+    # Issue 25, item 12: after one forward every layer holds a kernel and the shared pool (an RLock).
+    import copy
+    import io
+    import pickle
+
+    def saved(model):
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        return torch.load(buffer, weights_only=False)
+
+    model = tiny_model("qwen3_moe")
+    ids = torch.randint(3, 128, (1, 6), device=DEVICE)
+    expected = logits(model, "moekit-c16", ids)
+    assert moekit_hf.traces(model)
+    copy_of = {"deepcopy": copy.deepcopy, "pickle": lambda m: pickle.loads(pickle.dumps(m)), "torch.save": saved}[how](
+        model)  # fmt: skip
+    assert torch.equal(logits(copy_of, "moekit-c16", ids), expected)
+    assert list(moekit_hf.traces(copy_of)) == list(moekit_hf.traces(model))
+    assert torch.equal(logits(model, "moekit-c16", ids), expected)  # the original runs on
 
 
 def test_import_moekit_does_not_import_transformers():
