@@ -125,6 +125,7 @@ class ModularKernel:
         check_policy(workspace_policy, WORKSPACE_POLICIES, "workspace_policy")
         check_policy(metadata_policy, METADATA_POLICIES, "metadata_policy")
         self.prepare_finalize, self.experts, self.pool, self.chunk_by = prepare_finalize, experts, pool, chunk_by
+        self._given_pool = pool is not None  # a caller's pool is never replaced: a call on another device is refused
         if experts.activation_format is ActivationFormat.BATCHED and chunk_by == "tokens":
             self.planner = SlabPlanner()
         elif chunk_by == "rows":
@@ -215,7 +216,7 @@ class ModularKernel:
         if M == 0 and not self.prepare_finalize.collective:  # upstream divided by zero here (#26523)
             return hidden.new_empty((0, K))
         stream = launch_stream(hidden.device)
-        pool = self.pool if self.pool is not None else self._own_pool(hidden.device)
+        pool = self.pool if self._given_pool else self._own_pool(hidden.device)
         with pool.lock:
             pool.follow(stream)
             prepared = self.prepare_finalize.prepare(
@@ -299,12 +300,16 @@ class ModularKernel:
                 "scale (one element)"
             )
         check_kernel_device(hidden, "hidden")  # last, so that a call's other mistakes are named on any machine
+        if self._given_pool:
+            self.pool.check_device(hidden.device, whose="the pool given to this ModularKernel")
         return weights, placement, problem
 
     def _own_pool(self, device: torch.device) -> WorkspacePool:
-        if self.pool is None:
-            self.pool = WorkspacePool(device)
-        return self.pool
+        """This kernel's own pool, on the call's device (a call on another device gets a new one)."""
+        pool = self.pool
+        if pool is None or not pool.serves(device):
+            pool = self.pool = WorkspacePool(device)
+        return pool
 
     def _rows_problem(self, prepared: Prepared, problem: ProblemSize) -> ProblemSize:
         """The sizes the experts see: the caller's, or the rows after a dispatch (received rows, or

@@ -104,11 +104,7 @@ def _kernel_and_problem(pool=None):
     return ModularKernel(NoEPPrepareFinalize(), TritonExperts(), pool=pool), p
 
 
-_NEEDS_MODULAR_KERNEL = "needs the pool checks in ModularKernel (moekit/modular_kernel.py, owned elsewhere)"
-
-
 @pytest.mark.interpreter
-@pytest.mark.xfail(strict=True, reason=_NEEDS_MODULAR_KERNEL)
 def test_a_given_pool_on_another_device_is_named_at_the_door():
     from moekit.errors import InvalidInputError
 
@@ -119,7 +115,6 @@ def test_a_given_pool_on_another_device_is_named_at_the_door():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-@pytest.mark.xfail(strict=True, reason=_NEEDS_MODULAR_KERNEL)
 def test_a_kernels_own_pool_follows_the_calls_device():
     from moekit.testing import assert_close, make_problem
 

@@ -35,7 +35,7 @@ from moekit.device import interpreting
 from moekit.errors import InvalidIdsError, InvalidInputError
 from moekit.kernels.host_math import cdiv, next_power_of_2
 from moekit.kernels.launch import LeanLauncher, int_spec
-from moekit.validate import check_expert_map, check_ids, check_kernel_device, check_numel, check_positive_int
+from moekit.validate import check_expert_map, check_ids, check_kernel_device, check_num_experts, check_numel
 
 METHODS = ("histogram", "scan")
 _BLOCK = 4096  # ids per tile of the histogram (smaller inputs take a smaller tile)
@@ -141,7 +141,7 @@ def _histogram_launch(numel: int, bins_needed: int, sms: int) -> tuple[int, int,
 def _check(topk_ids, num_local_experts, expert_map, method) -> None:
     if method not in METHODS:
         raise InvalidInputError(f"method must be one of {METHODS}, got {method!r}")
-    check_positive_int(num_local_experts, "num_local_experts")
+    check_num_experts(num_local_experts, "num_local_experts")
     check_ids(topk_ids, rank=None)
     if topk_ids.dim() not in (1, 2):
         raise InvalidIdsError(f"topk_ids must be 1-D [numel] or 2-D [M, topk], got shape {tuple(topk_ids.shape)}")

@@ -13,6 +13,7 @@ from moekit.kernels import count as count_mod
 from moekit.kernels.count import count_expert_num_tokens
 from moekit.reference import count_reference
 from moekit.routing import contiguous_expert_map
+from moekit.testing import expect_raises
 
 NUM_TOKENS = [1, 4, 8, 11, 19, 127, 128, 405, 1024, 3333, 7317]  # upstream's grid
 TOPK = [2, 6, 8]
@@ -291,3 +292,8 @@ def test_map_on_other_device_raises_on_gpu():
 def test_cpu_ids_rejected_when_compiling():
     with pytest.raises(InvalidInputError, match="CPU"):
         count_expert_num_tokens(torch.zeros(3, 2, dtype=torch.int32), 4)
+
+
+def test_an_absurd_number_of_local_experts_is_named_before_anything_is_allocated(device):
+    with expect_raises(InvalidInputError, match="num_local_experts must be at most"):
+        moekit.count_expert_num_tokens(torch.tensor([[0, 1]], dtype=torch.int32, device=device), 2**40)
