@@ -36,12 +36,12 @@ import torch
 
 from moekit.errors import InvalidInputError, OptionalDependencyError, UnsupportedModelError
 from moekit.experts.base import Experts
-from moekit.integrations.hf_checks import bad_routing_ids, check_module, check_routing_ids, is_experts
+from moekit.integrations.hf_checks import check_module, check_routing_ids, is_experts
 from moekit.integrations.hf_fp8 import check_fp8_module, is_fp8_experts, to_fp8_experts
 from moekit.workspace import PoolRegistry
 
 __all__ = [
-    "check_fp8_module", "check_model", "check_module", "moekit_routing", "nan_weights_of_bad_ids", "register",
+    "check_fp8_module", "check_model", "check_module", "moekit_routing", "register",
     "to_fp8_experts", "traces",
 ]  # fmt: skip
 
@@ -244,16 +244,12 @@ def moekit_routing(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, E: in
     Raises:
         InvalidIdsError: (CPU) an id below -1 or above ``E``, named with its value.
     """
-    ids = torch.where(top_k_index == E, -1, top_k_index).contiguous()
     if top_k_index.device.type == "cpu":
         check_routing_ids(top_k_index, E)
-        return ids, top_k_weights.contiguous()
-    return ids, nan_weights_of_bad_ids(top_k_index, top_k_weights, E)
+        return torch.where(top_k_index == E, -1, top_k_index).contiguous(), top_k_weights.contiguous()
+    from moekit.kernels.routing import launch_marker_to_moekit
 
-
-def nan_weights_of_bad_ids(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, E: int) -> torch.Tensor:
-    """``top_k_weights`` with NaN where the id is outside ``[-1, E]`` (no host read; see :func:`moekit_routing`)."""
-    return torch.where(bad_routing_ids(top_k_index, E), float("nan"), top_k_weights).contiguous()
+    return launch_marker_to_moekit(top_k_index, top_k_weights, E)  # one launch, nothing read back
 
 
 def _check_import_order() -> None:

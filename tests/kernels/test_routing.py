@@ -1,0 +1,39 @@
+"""moekit.kernels.routing: transformers' routing in moekit's convention, in one launch."""
+
+from __future__ import annotations
+
+import torch
+
+import moekit
+from moekit.experts import TritonExperts
+from moekit.kernels.routing import launch_marker_to_moekit
+from moekit.prepare_finalize import NoEPPrepareFinalize
+from moekit.testing import make_problem
+
+
+def test_the_marker_becomes_minus_one_and_bad_ids_poison_their_weight(device):
+    ids = torch.tensor([[0, 1000], [8, 3], [-2, 1], [-1, 2]], device=device)
+    weights = torch.rand(4, 2, device=device)
+    got_ids, got = launch_marker_to_moekit(ids, weights, 8)
+    assert got_ids.tolist() == [[0, 1000], [-1, 3], [-2, 1], [-1, 2]] and got_ids.dtype == ids.dtype
+    assert got.isnan().tolist() == [[False, True], [False, False], [True, False], [False, False]]
+    assert torch.equal(got[~got.isnan()], weights[~got.isnan()])
+
+
+def test_a_poisoned_slot_makes_its_token_nan_through_the_layer(device):
+    # What a GPU forward does with an id outside [-1, E] (the kernels treat it as an empty slot):
+    # its weight is NaN, so finalize's weighted sum makes that token's row NaN, never plausible.
+    ids = torch.tensor([[0, 1000], [8, 3], [-2, 1], [-1, 2]], device=device)
+    ids_out, weights = launch_marker_to_moekit(ids, torch.rand(4, 2, device=device), 8)
+    p = make_problem(4, E=8, topk=2, K=32, N=64, dtype=torch.float32, device=device)
+    as_the_kernels_see_them = torch.where((ids_out > 7) | (ids_out < -1), -1, ids_out)
+    with torch.no_grad():
+        out = moekit.ModularKernel(NoEPPrepareFinalize(), TritonExperts())(p.hidden, p.w1, p.w2, weights,
+                                                                            as_the_kernels_see_them)  # fmt: skip
+    assert out.isnan().any(1).tolist() == [True, False, True, False]
+
+
+def test_empty_routing_launches_nothing(device):
+    ids, w = launch_marker_to_moekit(torch.empty(0, 2, dtype=torch.int64, device=device),
+                                     torch.empty(0, 2, device=device), 8)  # fmt: skip
+    assert ids.shape == w.shape == (0, 2)
