@@ -10,9 +10,10 @@ Set ``MOEKIT_DEVICE=cpu`` to force the interpreter on a machine that has a GPU.
 
 Under the interpreter, importing moekit also:
 
-- refuses Triton < 3.7 with numpy >= 2.4 (BackendUnavailableError): that interpreter crashes on
-  every kernel with a loop bounded at run time ("only 0-dimensional arrays can be converted to
-  Python scalars"), which is most of moekit's;
+- warns about Triton < 3.7 with numpy >= 2.4: that interpreter crashes on every kernel with a
+  loop bounded at run time ("only 0-dimensional arrays can be converted to Python scalars"); a
+  moekit launch that meets the crash raises BackendUnavailableError with the advice
+  (:func:`interpreter_advice`, read by ``moekit.kernels.launch``);
 - makes interpreted launches take turns, process-wide (:func:`_serialize_interpreted_launches`).
 """
 
@@ -72,8 +73,8 @@ def _release(package: str) -> tuple[int, int] | None:
     return (int(found[1]), int(found[2])) if found else None
 
 
-def check_interpreter_versions(triton: tuple[int, int] | None = None, numpy: tuple[int, int] | None = None) -> None:
-    """Raise BackendUnavailableError for a Triton interpreter known to crash with this numpy.
+def interpreter_advice(triton: tuple[int, int] | None = None, numpy: tuple[int, int] | None = None) -> str | None:
+    """What to install instead, for a Triton interpreter known to crash with this numpy; else None.
 
     Triton < 3.7 with numpy >= 2.4 (seen with triton 3.6.0 and numpy 2.4.0 / 2.4.6, December 2026):
     a loop bounded at run time (``for i in range(tl.cdiv(n, BLOCK))``) fails inside the interpreter.
@@ -81,14 +82,13 @@ def check_interpreter_versions(triton: tuple[int, int] | None = None, numpy: tup
     """
     triton = _release("triton") if triton is None else triton
     numpy = _release("numpy") if numpy is None else numpy
-    if triton is not None and numpy is not None and triton < (3, 7) and numpy >= (2, 4):
-        from moekit.errors import BackendUnavailableError
-
-        raise BackendUnavailableError(
-            f"Triton {triton[0]}.{triton[1]}'s interpreter crashes with numpy {numpy[0]}.{numpy[1]} on moekit's "
-            "kernels (a loop bounded at run time: 'only 0-dimensional arrays can be converted to Python "
-            "scalars'); install triton >= 3.7 or numpy < 2.4"
-        )
+    if triton is None or numpy is None or not (triton < (3, 7) and numpy >= (2, 4)):
+        return None
+    return (
+        f"Triton {triton[0]}.{triton[1]}'s interpreter crashes with numpy {numpy[0]}.{numpy[1]} on moekit's "
+        "kernels (a loop bounded at run time: 'only 0-dimensional arrays can be converted to Python "
+        "scalars'); install triton >= 3.7 or numpy < 2.4"
+    )
 
 
 def _serialize_interpreted_launches() -> None:
@@ -120,8 +120,10 @@ def _serialize_interpreted_launches() -> None:
     executor.__call__ = call
 
 
+INTERPRETER_ADVICE: str | None = interpreter_advice() if _INTERPRETING else None
+if INTERPRETER_ADVICE:  # a warning, not an error: kernels without such a loop still run
+    warnings.warn(INTERPRETER_ADVICE, RuntimeWarning, stacklevel=2)
 if _INTERPRETING:
-    check_interpreter_versions()
     _serialize_interpreted_launches()
 
 

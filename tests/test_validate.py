@@ -269,6 +269,6 @@ def test_an_absurd_expert_count_is_named():
     p = make_problem(4, E=4, K=32, N=64, dtype=torch.float32)
     with expect_raises(InvalidInputError, match=r"global_num_experts must be at most"):  # no map: the fast path
         check_placement(p.w1, None, 2**40, p.w1.device)
-    emap = torch.full((8,), -1)
+    emap = torch.full((8,), -1, device=p.w1.device)
     with expect_raises(InvalidInputError, match=r"global_num_experts must be at most"):
         check_placement(p.w1, emap, 2**40, p.w1.device)

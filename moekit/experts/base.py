@@ -88,15 +88,15 @@ class Experts(ABC):
         per token, and only behind fp8); every scale given must be a tensor on the weights' device.
         Subclasses add their own shape rules.
         """
-        check_scale_tensors(weights, a2_scale)
-        weights.check(self.quant)
-        if a2_scale is None:
-            return
-        if self.quant is not QuantScheme.FP8_BLOCK:
+        if a2_scale is not None and self.quant is not QuantScheme.FP8_BLOCK:
             raise QuantizationError(
                 f"a2_scale requantizes the intermediate activations to fp8; {self.name} is unquantized "
                 "(quant=QuantScheme.NONE)"
             )
+        check_scale_tensors(weights, a2_scale)
+        weights.check(self.quant)
+        if a2_scale is None:
+            return
         if not isinstance(a2_scale, torch.Tensor) or not a2_scale.is_floating_point():
             raise QuantizationError(f"a2_scale must be a float tensor, got {type(a2_scale).__name__}")
         shape = tuple(a2_scale.shape)

@@ -349,7 +349,7 @@ def _round32(n: int) -> int:
     return -(-n // 32) * 32  # pieces of the buffer start on 128-byte boundaries
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["numel", "expert_off", "post_off"])  # they follow M: no recompiles
 def _chunk_counts_kernel(
     # Pointers
     layout_ptr, out_ptr,
@@ -381,8 +381,7 @@ def launch_chunk_counts(blocks: AlignedBlocks, rows_per_chunk: int, num_local: i
     out = torch.zeros((num_chunks, num_local), dtype=torch.int32, device=blocks.buffer.device)
     if blocks.numel == 0 or num_chunks == 0:
         return out
-    key = (blocks.block_m, int_spec(blocks.expert_offset), int_spec(blocks.post_offset), int_spec(rows_per_chunk),
-           int_spec(num_local))  # fmt: skip
+    key = (blocks.block_m, int_spec(rows_per_chunk), int_spec(num_local))  # sizes that follow M are not specialized
     _CHUNK_COUNTS((blocks.max_blocks,), (blocks.buffer, out, blocks.numel, blocks.expert_offset, blocks.post_offset,
                                          rows_per_chunk, num_local), key=key, stream=stream,
                   constexprs=lambda: dict(BLOCK_M=blocks.block_m))  # fmt: skip

@@ -129,7 +129,16 @@ class LeanLauncher:
               *args, *variant.tail)  # fmt: skip
 
     def _plain(self, grid, args, key, consts: dict) -> None:
-        compiled = self.fn[grid](*args, **consts)
+        try:
+            compiled = self.fn[grid](*args, **consts)
+        except TypeError as error:  # the interpreter of Triton < 3.7 with numpy >= 2.4 (moekit.device)
+            from moekit.device import INTERPRETER_ADVICE
+
+            if INTERPRETER_ADVICE and "0-dimensional arrays" in str(error):
+                from moekit.errors import BackendUnavailableError
+
+                raise BackendUnavailableError(f"{self.fn.__name__}: {INTERPRETER_ADVICE}") from error
+            raise
         if not self._direct or compiled is None or _hooked():
             return
         tail = tuple(consts[n] if n in consts else self._defaults[n] for n in self._tail_names)

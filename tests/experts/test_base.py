@@ -84,15 +84,16 @@ def test_a2_scale_on_fp8_experts_is_one_or_one_per_token():
     M = 5
     p = make_problem(M, E=4, K=128, N=256, quant=QuantScheme.FP8_BLOCK)
     experts, sizes, weights = TritonExperts(quant=QuantScheme.FP8_BLOCK), sizes_of(p), weights_of(p)
-    experts.check(sizes, weights, a2_scale=torch.rand(1) + 0.5)
-    experts.check(sizes, weights, a2_scale=torch.rand(M) + 0.5)
-    experts.check(sizes, weights, a2_scale=torch.rand(M, 1) + 0.5)
+    dev = p.w1.device
+    experts.check(sizes, weights, a2_scale=torch.rand(1, device=dev) + 0.5)
+    experts.check(sizes, weights, a2_scale=torch.rand(M, device=dev) + 0.5)
+    experts.check(sizes, weights, a2_scale=torch.rand(M, 1, device=dev) + 0.5)
     for shape in ((2,), (M + 1,), (1, M), (M, 2)):  # a [1, M] scale would be sliced along the wrong axis
         with expect_raises(QuantizationError, match=rf"per tensor\) or one per token, \[M={M}\] or \[M, 1\], got "
                                                     rf"\({', '.join(map(str, shape))},?\)"):  # fmt: skip
-            experts.check(sizes, weights, a2_scale=torch.rand(*shape) + 0.5)
+            experts.check(sizes, weights, a2_scale=torch.rand(*shape, device=dev) + 0.5)
     with expect_raises(QuantizationError, match="float tensor, got Tensor"):
-        experts.check(sizes, weights, a2_scale=torch.randint(1, 4, (1,)))
+        experts.check(sizes, weights, a2_scale=torch.randint(1, 4, (1,), device=dev))
     with expect_raises(QuantizationError, match="float tensor, got float"):
         experts.check(sizes, weights, a2_scale=0.5)
 
@@ -137,13 +138,13 @@ def test_scales_must_be_tensors_on_the_weights_device(name):
     # Issue 25, item 15: a list raised AttributeError ('list' object has no attribute 'shape'), a scale
     # on another device (meta here; another GPU there) a raw error from deep inside.
     p = make_problem(5, E=4, K=128, N=256, quant=QuantScheme.FP8_BLOCK)
-    given = {"w1_scale": p.w1_scale, "w2_scale": p.w2_scale, "a2_scale": torch.rand(1) + 0.5}
+    given = {"w1_scale": p.w1_scale, "w2_scale": p.w2_scale, "a2_scale": torch.rand(1, device=p.w1.device) + 0.5}
     for experts in (TritonExperts(quant=QuantScheme.FP8_BLOCK), DeepGemmExperts(backend="triton")):
         as_list = {**given, name: given[name].tolist()}
         with expect_raises(QuantizationError, match=f"{name} must be a float tensor, got list"):
             experts.check(sizes_of(p), MoEWeights(p.w1, p.w2, as_list["w1_scale"], as_list["w2_scale"]),
                           a2_scale=as_list["a2_scale"])  # fmt: skip
         elsewhere = {**given, name: given[name].to("meta")}
-        with expect_raises(InvalidInputError, match=rf"{name} must be on the weights' device \(cpu\), got meta"):
+        with expect_raises(InvalidInputError, match=rf"{name} must be on the weights' device \({p.w1.device}\), got meta"):
             experts.check(sizes_of(p), MoEWeights(p.w1, p.w2, elsewhere["w1_scale"], elsewhere["w2_scale"]),
                           a2_scale=elsewhere["a2_scale"])  # fmt: skip

@@ -245,6 +245,7 @@ def test_gpu_triton_matches_reference(quant):
     assert_close(out, expected, dtype=FP8)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("cls", CLASSES)
 def test_an_a2_scale_that_is_not_a_tensor_is_named(cls):
     hidden, w1, w2, weights, ids = _layer(12, 128, 256, 4, 2, torch.float32)
