@@ -145,6 +145,7 @@ def test_scales_must_be_tensors_on_the_weights_device(name):
             experts.check(sizes_of(p), MoEWeights(p.w1, p.w2, as_list["w1_scale"], as_list["w2_scale"]),
                           a2_scale=as_list["a2_scale"])  # fmt: skip
         elsewhere = {**given, name: given[name].to("meta")}
-        with expect_raises(InvalidInputError, match=rf"{name} must be on the weights' device \({p.w1.device}\), got meta"):
+        where = rf"{name} must be on the weights' device \({p.w1.device}\), got meta"
+        with expect_raises(InvalidInputError, match=where):
             experts.check(sizes_of(p), MoEWeights(p.w1, p.w2, elsewhere["w1_scale"], elsewhere["w2_scale"]),
                           a2_scale=elsewhere["a2_scale"])  # fmt: skip
