@@ -157,7 +157,7 @@ def test_a_per_token_a2_scale_is_named_before_anything_runs():
     p = make_problem(40, E=4, topk=2, K=128, N=256, quant=FP8, seed=2)
     kernel = _kernel(TritonExperts(quant=FP8), 128)
     with expect_raises(QuantizationError, match="cannot follow rows sorted by expert"):
-        kernel(*p.inputs(), **p.options(), a2_scale=torch.ones(40, 1))
+        kernel(*p.inputs(), **p.options(), a2_scale=torch.ones(40, 1, device=p.w1.device))
     assert kernel.last_trace is None or len(kernel.last_trace) == 0
 
 
