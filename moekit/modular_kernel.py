@@ -249,9 +249,10 @@ class ModularKernel:
         return plan.output
 
     def _run(self, plan, chunk, call, record) -> None:
+        """One chunk's experts; the record of a chunk that failed still gets the chunk's counts."""
         try:
             backend = plan.run(self.experts, call)
-        except BaseException:
+        except Exception:
             if record.counts is None and self.trace_counts:  # the trace of a failed chunk still shows its routing
                 try:
                     record.counts = plan.count(chunk)
