@@ -24,6 +24,8 @@ class KernelReport:
     n_regs: int = 0
     n_spills: int = 0
     shared_bytes: int = 0
+    # Triton split the kernel into warp-specialized partitions (its TTGIR holds ttg.warp_specialize)
+    warp_specialized: bool = False
 
 
 def _constants(kernel) -> dict:
@@ -54,5 +56,6 @@ def kernel_reports(fn) -> list[KernelReport]:
                 name=kernel.name, constants=_constants(kernel), num_warps=meta.num_warps,
                 num_stages=meta.num_stages, n_regs=getattr(kernel, "n_regs", 0) or 0,
                 n_spills=getattr(kernel, "n_spills", 0) or 0, shared_bytes=meta.shared,
+                warp_specialized="ttg.warp_specialize" in (getattr(kernel, "asm", None) or {}).get("ttgir", ""),
             ))  # fmt: skip
     return reports

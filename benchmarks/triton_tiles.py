@@ -22,13 +22,20 @@ from moekit.experts.triton import TritonExperts
 from moekit.kernels.configs import KernelConfig
 from moekit.types import ProblemSize
 
+_FLAGS = {"t": "tma", "p": "persistent", "ws": "warp_specialize"}
+
 
 def C(spec: str) -> KernelConfig:
-    """'128x256x64 g8 w8 s3 t' -> KernelConfig (t: TMA weights)."""
+    """'128x256x64 g8 w8 s3 t' -> KernelConfig (t: TMA weights, p: persistent, ws: warp-specialized,
+    tail32: TAIL_M=32)."""
     parts = spec.split()
     bm, bn, bk = map(int, parts[0].split("x"))
-    kw = {"g": 8, "w": 4, "s": 3} | {p[0]: int(p[1:]) for p in parts[1:] if p != "t"}
-    return KernelConfig(bm, bn, bk, GROUP_M=kw["g"], num_warps=kw["w"], num_stages=kw["s"], tma="t" in parts)
+    flags = {_FLAGS[p]: True for p in parts[1:] if p in _FLAGS}
+    tail = [int(p[4:]) for p in parts[1:] if p.startswith("tail")]
+    numbers = [p for p in parts[1:] if p not in _FLAGS and not p.startswith("tail")]
+    kw = {"g": 8, "w": 4, "s": 3} | {p[0]: int(p[1:]) for p in numbers}
+    return KernelConfig(bm, bn, bk, GROUP_M=kw["g"], num_warps=kw["w"], num_stages=kw["s"],
+                        TAIL_M=tail[0] if tail else 0, **flags)  # fmt: skip
 
 
 def _specs(text: str) -> list[KernelConfig]:

@@ -34,6 +34,9 @@ class KernelConfig:
     gathered activation rows always use per-thread copies. ``TAIL_M`` (0: off): a block with
     at most ``TAIL_M`` real rows (an expert's last block, mostly padding) runs a ``TAIL_M``-row
     tile, so padding costs less of the tensor cores; a power of two >= 16 below ``BLOCK_M``.
+    ``persistent``: one program per SM walks the tiles (:mod:`moekit.kernels.persistent_gemm`);
+    no ``TAIL_M`` then. ``warp_specialize``: ask Triton to split that walk's loop into producer
+    and consumer warps (``tl.range(warp_specialize=True)``; persistent only).
     """
 
     BLOCK_M: int
@@ -44,6 +47,8 @@ class KernelConfig:
     num_stages: int = 3
     tma: bool = False
     TAIL_M: int = 0
+    persistent: bool = False
+    warp_specialize: bool = False
 
     def __post_init__(self):
         for name, value in self.launch.items():
@@ -60,8 +65,13 @@ class KernelConfig:
             raise InvalidInputError(
                 f"KernelConfig.TAIL_M must be 0 or a power of two >= 16 below BLOCK_M={self.BLOCK_M}, got {tail!r}"
             )
-        if not isinstance(self.tma, bool):
-            raise InvalidInputError(f"KernelConfig.tma must be a bool, got {self.tma!r}")
+        for name in ("tma", "persistent", "warp_specialize"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidInputError(f"KernelConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.persistent and tail:
+            raise InvalidInputError(f"KernelConfig: a persistent kernel has no TAIL_M tile, got TAIL_M={tail}")
+        if self.warp_specialize and not self.persistent:
+            raise InvalidInputError("KernelConfig.warp_specialize needs persistent=True (it splits the tile walk)")
         object.__setattr__(self, "_hash", hash(tuple(getattr(self, f) for f in self.__dataclass_fields__)))
 
     def __hash__(self) -> int:  # computed once: a config is part of every GEMM launch's key

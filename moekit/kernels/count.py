@@ -34,7 +34,7 @@ import triton.language as tl
 from moekit.device import interpreting
 from moekit.errors import InvalidIdsError, InvalidInputError
 from moekit.kernels.host_math import cdiv, next_power_of_2
-from moekit.kernels.launch import LeanLauncher, int_spec
+from moekit.kernels.launch import LeanLauncher, int_spec, sm_count
 from moekit.validate import check_expert_map, check_ids, check_kernel_device, check_num_experts, check_numel
 
 METHODS = ("histogram", "scan")
@@ -121,11 +121,6 @@ def _count_histogram_kernel(
 
 _SCAN = LeanLauncher(_count_scan_kernel)
 _HISTOGRAM = LeanLauncher(_count_histogram_kernel)
-
-
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 @functools.lru_cache(maxsize=1024)
@@ -232,7 +227,7 @@ def launch_count(
               constexprs=lambda: dict(HAS_MAP=has_map, BLOCK=block), stream=stream)  # fmt: skip
         return out
     on_gpu = device.type == "cuda" and not interpreting()
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) if on_gpu else _INTERPRETER_SMS
+    sms = sm_count(device.index if device.index is not None else torch.cuda.current_device()) if on_gpu else _INTERPRETER_SMS
     block, grid, warps, bins = _histogram_launch(numel, num_local_experts + (0 if masked else 1), sms)
     solo = grid == 1
     if out is None:

@@ -31,12 +31,13 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moekit.device import interpreting
-from moekit.kernels.activation import clamp_fp8, quantize_fp8_rows, round_for_store
 from moekit.kernels.align import AlignedBlocks
 from moekit.kernels.configs import KernelConfig
 from moekit.kernels.gemm_args import GatedOutput, RowWindow, check_gemm_args
+from moekit.kernels.gemm_tile import _tile
 from moekit.kernels.host_math import cdiv
-from moekit.kernels.launch import LeanLauncher
+from moekit.kernels.launch import LeanLauncher, sm_count
+from moekit.kernels.persistent_gemm import INTERPRETER_SMS, _persistent_moe_kernel
 from moekit.quant import FP8, FP8_GROUP, FP8_MAX, TINY_SCALE
 
 
@@ -49,130 +50,18 @@ def _weight_descriptor(w: torch.Tensor, config: KernelConfig) -> TensorDescripto
     return TensorDescriptor(w.view(E * N, K), [E * N, K], [K, 1], [config.BLOCK_N, config.BLOCK_K])
 
 
-@triton.jit
-def _mma(acc, a, b, a_s, w_s, IS_FP8: tl.constexpr, UPCAST_BF16: tl.constexpr, DOT_IEEE: tl.constexpr):
-    """acc += a @ b, dequantizing fp8 with one activation scale per row and one weight scale per column."""
-    if IS_FP8:
-        acc += tl.dot(a, b) * (a_s[:, None] * w_s[None, :])
-    else:
-        if UPCAST_BF16:  # the interpreter multiplies bf16 bit patterns in tl.dot
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        if DOT_IEEE:  # fp32 stays fp32 (no tf32) so that fp32 results match the reference
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
-    return acc
-
-
-@triton.jit
-def _load(ptrs, mask, EVEN_K: tl.constexpr):
-    if EVEN_K:  # no mask: lets the loads vectorize fully
-        return tl.load(ptrs)
-    else:
-        return tl.load(ptrs, mask=mask, other=0.0)
-
-
-@triton.jit
-def _tile(
-    a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, sorted_ptr, out_scale_ptr, static_ptr, w_desc,
-    row0, pid_n, expert, N, K, numel,
-    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
-    stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk,
-    stride_osm, stride_osg, stride_static, static_div,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PAIRS_PER_ROW: tl.constexpr, EVEN_K: tl.constexpr, IS_FP8: tl.constexpr, FP8_GROUP: tl.constexpr,
-    GATED: tl.constexpr, QUANT_OUT: tl.constexpr, STATIC_OUT: tl.constexpr,
-    W_TMA: tl.constexpr, UPCAST_BF16: tl.constexpr, DOT_IEEE: tl.constexpr, FIX_ROUNDING: tl.constexpr,
-    FP8_MAX: tl.constexpr, TINY: tl.constexpr, READ_BY_POSITION: tl.constexpr, WRITE_BY_POSITION: tl.constexpr,
-):
-    """One BLOCK_M x BLOCK_N output tile: rows [row0, row0 + BLOCK_M) of the layout, all of ``expert``."""
-    offs_m = row0 + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + offs_m)
-    live = pair < numel
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    # Padding rows load nothing (masked: zeros, no memory traffic) and columns past N wrap
-    # around: every load is in bounds, and those lanes are never stored (or, written by
-    # position, never read back).
-    if READ_BY_POSITION:
-        row = offs_m.to(tl.int64)
-    else:
-        row = tl.where(live, pair // PAIRS_PER_ROW, 0).to(tl.int64)
-    col = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + row[:, None] * stride_am + offs_k[None, :] * stride_ak
-    w_ptrs = w_ptr + expert * stride_we + col[None, :] * stride_wn + offs_k[:, None] * stride_wk
-    if IS_FP8:
-        a_scale_ptrs = a_scale_ptr + row * stride_asm
-        w_scale_ptrs = w_scale_ptr + expert * stride_wse + (col // FP8_GROUP) * stride_wsn
-        w_up_scale_ptrs = w_scale_ptr + expert * stride_wse + ((col + N) // FP8_GROUP) * stride_wsn
-    # TMA: w viewed as [E * rows, K]; rows past this expert's (last column tile) belong to the
-    # next expert or are zero-filled past the end, and those columns are never stored.
-    w_row = (expert * (2 * N if GATED else N) + pid_n * BLOCK_N).to(tl.int32)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if GATED:
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=live[:, None], other=0.0)
-        else:
-            a = tl.load(a_ptrs, mask=live[:, None] & (offs_k[None, :] < K - k * BLOCK_K), other=0.0)
-        w_mask = offs_k[:, None] < K - k * BLOCK_K
-        if IS_FP8:
-            # One 1x128 activation scale per row and one 128x128 weight scale per column block.
-            group = (k * BLOCK_K) // FP8_GROUP
-            a_s = tl.load(a_scale_ptrs + group * stride_ask)
-            w_s = tl.load(w_scale_ptrs + group * stride_wsk)
-        else:
-            a_s = 1.0
-            w_s = 1.0
-        if W_TMA:
-            b = w_desc.load([w_row, k * BLOCK_K]).T
-        else:
-            b = _load(w_ptrs, w_mask, EVEN_K)
-        acc = _mma(acc, a, b, a_s, w_s, IS_FP8, UPCAST_BF16, DOT_IEEE)
-        if GATED:  # the up half: the same rows of a times w rows [N, 2N)
-            if IS_FP8:
-                w_up_s = tl.load(w_up_scale_ptrs + group * stride_wsk)
-            else:
-                w_up_s = 1.0
-            if W_TMA:
-                b_up = w_desc.load([w_row + N, k * BLOCK_K]).T
-            else:
-                b_up = _load(w_ptrs + N * stride_wn, w_mask, EVEN_K)
-            acc_up = _mma(acc_up, a, b_up, a_s, w_up_s, IS_FP8, UPCAST_BF16, DOT_IEEE)
-        a_ptrs += BLOCK_K * stride_ak
-        w_ptrs += BLOCK_K * stride_wk
-
-    # The output's addresses are formed only now: held across the loop they cost registers
-    # (about 30 per thread at 128 x 256) that the pipeline needs.
-    if WRITE_BY_POSITION:
-        dest = offs_m.to(tl.int64)
-        keep = offs_m >= 0
-    else:
-        dest = pair.to(tl.int64)
-        keep = live
-    out_ptrs = out_ptr + dest[:, None] * stride_om + offs_n[None, :] * stride_on
-    out_mask = keep[:, None] & (offs_n[None, :] < N)
-    out_scale_ptrs = out_scale_ptr + dest * stride_osm + pid_n * stride_osg
-    if GATED:  # silu(gate) * up from the fp32 accumulators
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
-    if QUANT_OUT:  # fp8 with one scale per row of this 128-wide group (as moekit.quant)
-        if STATIC_OUT:
-            scale = tl.load(static_ptr + (tl.where(live, pair, 0) // static_div) * stride_static)
-            acc = clamp_fp8(acc / scale[:, None], FP8_MAX)
-        else:
-            acc, scale = quantize_fp8_rows(acc, FP8_MAX, TINY)
-        tl.store(out_scale_ptrs, scale, mask=keep)
-    if FIX_ROUNDING:
-        acc = round_for_store(acc, out_ptr.dtype.element_ty)
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+def _rows_descriptor(a: torch.Tensor, config: KernelConfig) -> TensorDescriptor | None:
+    """A TMA descriptor of activations read by position (``[rows, K]``, ``[BLOCK_M, BLOCK_K]`` boxes:
+    a tile's rows are consecutive there), or None where TMA cannot read them."""
+    if a.dim() != 2 or a.stride(1) != 1 or (a.stride(0) * a.element_size()) % 16 or a.data_ptr() % 16 or a.numel() == 0:
+        return None
+    return TensorDescriptor(a, list(a.shape), [a.stride(0), 1], [config.BLOCK_M, config.BLOCK_K])
 
 
 @triton.jit(do_not_specialize=["numel", "num_blocks", "row_base", "expert_off", "post_off"])  # they change with M
 def _fused_moe_kernel(
     # Pointers
-    a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, blocks_ptr, out_scale_ptr, static_ptr, w_desc,
+    a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, blocks_ptr, out_scale_ptr, static_ptr, w_desc, a_desc,
     # Sizes
     N, K, numel, num_blocks, row_base, expert_off, post_off,
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
@@ -182,7 +71,7 @@ def _fused_moe_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PAIRS_PER_ROW: tl.constexpr, EVEN_K: tl.constexpr, IS_FP8: tl.constexpr, FP8_GROUP: tl.constexpr,
     GATED: tl.constexpr, QUANT_OUT: tl.constexpr, STATIC_OUT: tl.constexpr,
-    W_TMA: tl.constexpr, UPCAST_BF16: tl.constexpr, DOT_IEEE: tl.constexpr, FIX_ROUNDING: tl.constexpr,
+    W_TMA: tl.constexpr, A_TMA: tl.constexpr, UPCAST_BF16: tl.constexpr, DOT_IEEE: tl.constexpr, FIX_ROUNDING: tl.constexpr,
     FP8_MAX: tl.constexpr, TINY: tl.constexpr,
     EXPERT_BLOCK: tl.constexpr, READ_BY_POSITION: tl.constexpr, WRITE_BY_POSITION: tl.constexpr,
     TAIL_M: tl.constexpr,
@@ -241,23 +130,23 @@ def _fused_moe_kernel(
         short = tl.sum(live.to(tl.int32)) <= TAIL_M
     if short:
         _tile(
-            a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, sorted_ptr, out_scale_ptr, static_ptr, w_desc,
-            pid_m * BLOCK_M, pid_n, expert, N, K, numel,
+            a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, sorted_ptr, out_scale_ptr, static_ptr, w_desc, a_desc,
+            pid_m * BLOCK_M, pid_n, expert, N, K, numel, tl.cdiv(K, BLOCK_K),
             stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
             stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk,
             stride_osm, stride_osg, stride_static, static_div,
             SHORT_M, BLOCK_N, BLOCK_K, PAIRS_PER_ROW, EVEN_K, IS_FP8, FP8_GROUP, GATED, QUANT_OUT, STATIC_OUT,
-            W_TMA, UPCAST_BF16, DOT_IEEE, FIX_ROUNDING, FP8_MAX, TINY, READ_BY_POSITION, WRITE_BY_POSITION,
+            W_TMA, False, UPCAST_BF16, DOT_IEEE, FIX_ROUNDING, FP8_MAX, TINY, READ_BY_POSITION, WRITE_BY_POSITION,
         )
     else:
         _tile(
-            a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, sorted_ptr, out_scale_ptr, static_ptr, w_desc,
-            pid_m * BLOCK_M, pid_n, expert, N, K, numel,
+            a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, sorted_ptr, out_scale_ptr, static_ptr, w_desc, a_desc,
+            pid_m * BLOCK_M, pid_n, expert, N, K, numel, tl.cdiv(K, BLOCK_K),
             stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
             stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk,
             stride_osm, stride_osg, stride_static, static_div,
             BLOCK_M, BLOCK_N, BLOCK_K, PAIRS_PER_ROW, EVEN_K, IS_FP8, FP8_GROUP, GATED, QUANT_OUT, STATIC_OUT,
-            W_TMA, UPCAST_BF16, DOT_IEEE, FIX_ROUNDING, FP8_MAX, TINY, READ_BY_POSITION, WRITE_BY_POSITION,
+            W_TMA, A_TMA, UPCAST_BF16, DOT_IEEE, FIX_ROUNDING, FP8_MAX, TINY, READ_BY_POSITION, WRITE_BY_POSITION,
         )
 
 
@@ -324,6 +213,7 @@ def fused_moe_gemm(
 
 
 _GEMM = LeanLauncher(_fused_moe_kernel)
+_PERSISTENT = LeanLauncher(_persistent_moe_kernel)
 
 
 def launch_gemm(
@@ -370,9 +260,11 @@ def launch_gemm(
     w_desc = _weight_descriptor(w, config) if config.tma else None
     read_pos = chunk is not None and chunk.read == "position"
     write_pos = chunk is not None and chunk.write == "position"
+    a_desc = _rows_descriptor(a, config) if config.tma and read_pos else None
     strides = (*a.stride(), *w.stride(), stride_pair, o2, *scales[2:], *epilogue[2:])
     num_blocks = (end - start) // config.BLOCK_M
     args = (a, w, out, scales[0], scales[1], blocks.buffer, epilogue[0], epilogue[1], w if w_desc is None else w_desc,
+            a if a_desc is None else a_desc,
             width, K, blocks.numel, num_blocks, start, blocks.expert_offset, blocks.post_offset, *strides)  # fmt: skip
     # What selects the compiled variant beyond the config and flags: the dtypes, the sizes and strides
     # (fixed per layer, except the fp8 scales' strides), the alignment of every pointer (chunks slice
@@ -381,17 +273,26 @@ def launch_gemm(
             (a_scale.data_ptr() % 16, w_scale.data_ptr() % 16) if fp8 else None,
             (out_scale.data_ptr() % 16, epilogue[1].data_ptr() % 16) if quant_out else None)  # fmt: skip
     key = (config, a.dtype, out.dtype, pairs_per_row, gated is not None, quant_out, static is not None,
-           w_desc is not None, read_pos, write_pos, blocks.block_m, width, K, strides, ptrs)  # fmt: skip
+           w_desc is not None, a_desc is not None, read_pos, write_pos, blocks.block_m, width, K, strides, ptrs)  # fmt: skip
 
     def constexprs() -> dict:
         return dict(
             PAIRS_PER_ROW=pairs_per_row, EVEN_K=K % config.BLOCK_K == 0, IS_FP8=fp8, FP8_GROUP=FP8_GROUP,
             GATED=gated is not None, QUANT_OUT=quant_out, STATIC_OUT=static is not None, W_TMA=w_desc is not None,
+            A_TMA=a_desc is not None,
             UPCAST_BF16=interpreting() and a.dtype == torch.bfloat16,
             DOT_IEEE=a.dtype == torch.float32, FIX_ROUNDING=interpreting(), FP8_MAX=FP8_MAX, TINY=TINY_SCALE,
             EXPERT_BLOCK=blocks.block_m, READ_BY_POSITION=read_pos, WRITE_BY_POSITION=write_pos,
-            TAIL_M=config.TAIL_M, **config.launch,
+            **config.launch,
         )  # fmt: skip
 
-    _GEMM((num_blocks * cdiv(width, config.BLOCK_N),), args, key=key, constexprs=constexprs, stream=stream)
+    tiles = num_blocks * cdiv(width, config.BLOCK_N)
+    if not config.persistent:
+        _GEMM((tiles,), args, key=key, constexprs=lambda: dict(constexprs(), TAIL_M=config.TAIL_M), stream=stream)
+        return out
+    sms = INTERPRETER_SMS if interpreting() else sm_count(a.device.index if a.device.index is not None else
+                                                          torch.cuda.current_device())  # fmt: skip
+    _PERSISTENT((min(tiles, sms),), args, key=(key, sms),
+                constexprs=lambda: dict(constexprs(), NUM_SMS=sms, WARP_SPECIALIZE=config.warp_specialize),
+                stream=stream)  # fmt: skip
     return out

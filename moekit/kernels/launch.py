@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,6 +55,12 @@ class LaunchKeyError(AssertionError):
 def _version(text: str) -> tuple[int, int]:
     parts = (text.split(".") + ["0"])[:2]
     return tuple(int("".join(ch for ch in p if ch.isdigit()) or 0) for p in parts)
+
+
+@functools.cache
+def sm_count(device_index: int) -> int:
+    """Streaming multiprocessors of CUDA device ``device_index`` (asked once per device)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def lean_supported() -> bool:

@@ -29,7 +29,10 @@ def test_config_table_is_valid():
     assert table_config(0.06, torch.bfloat16).BLOCK_M == 16  # decode
     assert table_config(1024, torch.bfloat16).BLOCK_M == 128  # prefill
     assert table_config(8, torch.float16) == table_config(8, torch.bfloat16)
-    assert table_config(1024, torch.bfloat16, gated=True).BLOCK_N == 128  # two accumulators: half width
+    gated = table_config(1024, torch.bfloat16, gated=True)
+    assert 2 * gated.BLOCK_M * gated.BLOCK_N <= 128 * 256  # two fp32 accumulators: at most one 128x256 tile's
+    assert table_config(1024, torch.bfloat16, stage=2).persistent  # large M: the persistent kernel
+    assert not table_config(0.06, torch.bfloat16).persistent  # decode: one program per tile
     assert table_config(1024, torch.float32, gated=True) == table_config(1024, torch.float32)  # no entry
     assert KernelConfig(16, 64, 64, tma=True).launch == KernelConfig(16, 64, 64).launch  # not a kernel argument
 

@@ -261,8 +261,11 @@ def test_a_2d_out_fails_where_upstream_did(device):
 # RowWindow: one chunk of the sorted layout's rows, written by position then read back by position
 
 
-@pytest.mark.parametrize("block_m", [16, 32])
-def test_row_chunks_by_position_compose_to_the_whole_layout(device, block_m):
+@pytest.mark.parametrize(
+    "block_m, tma, persistent",
+    [(16, False, False), (32, False, False), (32, True, False), (16, False, True), (32, True, True)],
+)
+def test_row_chunks_by_position_compose_to_the_whole_layout(device, block_m, tma, persistent):
     """GEMM1 of each 64-row chunk (read by pair, write by position) then GEMM2 (read by position,
     write by pair) gives, over all chunks, what one call over every block gives; padding positions
     hold finite values, remote blocks zeros."""
@@ -275,7 +278,10 @@ def test_row_chunks_by_position_compose_to_the_whole_layout(device, block_m):
     w1 = torch.randn(4, N, K, device=device) / K**0.5
     w2 = torch.randn(4, K, N, device=device) / N**0.5
     blocks = moe_align_block_size(ids, 64, E, emap, num_local_experts=4, keep_empty=True)
-    cfg = KernelConfig(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64, GROUP_M=2, num_warps=4, num_stages=2)
+    # tma: the weights and, read by position, the activation rows through TMA descriptors. persistent:
+    # GEMM1 by position walks every block (zeros past the layout), chunks past its rows walk nothing.
+    cfg = KernelConfig(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64, GROUP_M=2, num_warps=4, num_stages=2, tma=tma,
+                       persistent=persistent)  # fmt: skip
     out = torch.full((M, topk, K), 7.0, device=device)
     total = blocks.sorted_token_ids.numel()
     for s in range(0, total, 64):
