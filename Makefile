@@ -25,14 +25,13 @@ $(STAMP): pyproject.toml requirements/pins.txt Makefile
 lint: venv
 	$(VENV)/bin/ruff check moekit tests notebooks benchmarks tools
 
-# The notebooks run two at a time (each is its own kernel process, and the interpreter keeps one core
-# busy): on 2 cores that halves their half of the suite. The rest runs in one process (its timing
-# and distributed tests want the cores to themselves).
+# Two pytest workers (pytest-xdist), notebooks included, each worker taking the next test when it is
+# free: Triton's interpreter keeps one core busy per process, so on 2 cores that nearly halves the
+# suite (in one process it took 24 min for the tests and 12 for the notebooks).
 # On a CUDA machine the `interpreter` tests (CPU tensors into the kernels) skip in the first run,
 # which compiles for the GPU; the second run gives them Triton's interpreter, as CI does.
 test: venv lint
-	$(PY) -m pytest -q -m "not notebooks" --durations=25 $(ARGS)
-	$(PY) -m pytest -q -m notebooks -n 2 --durations=10 $(ARGS)
+	$(PY) -m pytest -q -n 2 --dist worksteal --durations=25 $(ARGS)
 	@if [ "$${MOEKIT_DEVICE:-}" != cpu ] && $(PY) -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
 		echo "CUDA machine: the interpreter tests again, on the CPU (MOEKIT_DEVICE=cpu)"; \
 		MOEKIT_DEVICE=cpu $(PY) -m pytest -q -m interpreter $(ARGS); \

@@ -95,6 +95,9 @@ def _act_dtype(dtype: str) -> torch.dtype:
     return FP8 if dtype == "fp8" else torch.bfloat16
 
 
+HOST_REPEATS = 5  # calls timed for the host's enqueue time (the median is kept)
+
+
 def _limits(call, chunks: int) -> dict:
     """What bounds a plan: the host's enqueue time (per chunk) against the kernels' device time,
     and the CUDA-graph time (no host cost at all)."""
@@ -102,7 +105,7 @@ def _limits(call, chunks: int) -> dict:
     import time
 
     host = []
-    for _ in range(5):
+    for _ in range(HOST_REPEATS):
         measure.synchronize()
         start = time.perf_counter()
         call()  # the GPU starts idle: the queue never fills, so this is Python and launch time

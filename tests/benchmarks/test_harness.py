@@ -202,6 +202,7 @@ def test_chunking_orchestration_on_cpu(monkeypatch, tmp_path):
     monkeypatch.setitem(roofline.SHAPES, "tiny", TINY)
     _fake_timers(monkeypatch)
     monkeypatch.setattr(measure, "peak_bytes", lambda fn, release, **kw: (release(), fn(), 1)[2])
+    monkeypatch.setattr(chunking, "HOST_REPEATS", 1)  # each interpreted forward costs seconds
     path = tmp_path / "chunking.json"
     argv = ["--shape", "tiny", "--M", "40", "--C", "16", "None", "--ws-M", "16", "256", "--json", str(path)]
     assert chunking.main(argv, device="cpu") == 0

@@ -107,10 +107,10 @@ def test_greedy_generation_is_the_same_with_chunks_of_64(models):
     for impl in ("moekit-fp8", "moekit-fp8-c64"):
         fp8.set_experts_implementation(impl)
         with torch.no_grad():
-            runs[impl] = fp8.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, min_new_tokens=20,
+            runs[impl] = fp8.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
                                       do_sample=False, output_logits=True, return_dict_in_generate=True)  # fmt: skip
     a, b = (runs[k].sequences[0, ids.shape[1] :] for k in runs)
-    assert a.shape == (20,)
+    assert a.shape == (8,)
     if not torch.equal(a, b):
         step = int((a != b).nonzero()[0])
         top2 = runs["moekit-fp8"].logits[step][0].float().topk(2).values
