@@ -22,12 +22,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if marker in item.keywords:
             item.add_marker(skip)
-    # The long tests first (a stable sort): with two xdist workers, the short ones then fill the
-    # end of the run instead of one worker finishing a notebook while the other waits.
-    items.sort(key=lambda item: not any(m in item.keywords for m in _LONG))
-
-
-_LONG = ("notebooks", "browser", "slow", "hf", "distributed")
 
 
 _BROWSER_SKIPS: list[str] = []
