@@ -22,9 +22,7 @@ import argparse
 import json
 import os
 import random
-import shutil
 import statistics
-import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -36,7 +34,7 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
-from benchmarks.harness.common import environment
+from benchmarks.harness.common import clock_log, environment
 from benchmarks.kernel_report import kernel_reports
 from benchmarks.triton_tiles import C
 from moekit.kernels.activation import silu_and_mul
@@ -198,19 +196,13 @@ def main() -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     payload = dict(env=environment().__dict__, candidates=CANDIDATES, cases=[])
     out = Path(os.environ["OUT"]) / "gpu_persistent_sweep.json" if os.environ.get("OUT") else None
-    clock_log = None
-    if out is not None and shutil.which("nvidia-smi"):
-        clock_log = subprocess.Popen(
-            ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw", "--format=csv", "-lms", "500"],
-            stdout=(out.parent / "clocks.csv").open("w"), stderr=subprocess.DEVNULL)  # fmt: skip
-    for item in args.shapes.split(","):
-        name, M = item.split(":")
-        payload["cases"].append(run(name, int(M), gen, args.rounds))
-        torch.cuda.empty_cache()
-        if out is not None:
-            out.write_text(json.dumps(payload, indent=1, default=str))
-    if clock_log is not None:
-        clock_log.terminate()
+    with clock_log(out.parent / "clocks.csv" if out is not None else None):
+        for item in args.shapes.split(","):
+            name, M = item.split(":")
+            payload["cases"].append(run(name, int(M), gen, args.rounds))
+            torch.cuda.empty_cache()
+            if out is not None:
+                out.write_text(json.dumps(payload, indent=1, default=str))
     for kernel in (_fused_moe_kernel, _persistent_moe_kernel):
         for r in kernel_reports(kernel):
             c = r.constants

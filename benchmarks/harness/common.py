@@ -8,19 +8,23 @@
 - :func:`cpu_median_us`: a wall-clock median for the interpreter (a sanity check, not a timing);
 - :func:`floor_us`: the time a call cannot beat, ``max(bytes / 4.3 TB/s, flops / 790 TF/s)``;
 - :func:`format_table`: aligned text columns;
+- :func:`clock_log`: ``nvidia-smi`` logging the SM clock and power beside a run (a context);
 - :func:`write_json` / :func:`save_rows` / :func:`load_results`:
   ``benchmarks/results/<name>-<gpu>-<date>.json``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import platform
 import re
+import shutil
 import statistics
+import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -148,6 +152,27 @@ def _cell(value, fmt: str | None) -> str:
     if isinstance(value, float):
         return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
     return str(value)
+
+
+@contextlib.contextmanager
+def clock_log(path: str | Path | None, *, period_ms: int = 500) -> Iterator[Path | None]:
+    """Log ``timestamp, clocks.sm, power.draw`` every ``period_ms`` to ``path`` while the block runs
+    (read back by :func:`benchmarks.results_view.clocks.load_clock_log`). The H200 runs big GEMMs at its
+    700 W cap, where the SM clock moves between 1.1 and 2.0 GHz: same-run ratios need it beside them.
+    Yields the path, or None when there is no path or no ``nvidia-smi``."""
+    if path is None or shutil.which("nvidia-smi") is None:
+        yield None
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as sink:
+        proc = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw", "--format=csv",
+                                 "-lms", str(period_ms)], stdout=sink, stderr=subprocess.DEVNULL)  # fmt: skip
+        try:
+            yield path
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
 
 
 def format_table(rows: Sequence[dict], columns: Sequence[str | tuple[str, str, str | None]]) -> str:

@@ -13,6 +13,8 @@ anchors and the issue's targets. Example::
 from __future__ import annotations
 
 import argparse
+import random
+import statistics
 import sys
 import traceback
 
@@ -36,6 +38,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--peers", default=None, help=f"comma list of {','.join(PEERS)} (default by dtype)")
     p.add_argument("--chunk", type=int, default=1024, help="C of the triton_chunked peer")
     p.add_argument("--graph-max-M", type=int, default=128, help="time M <= this as CUDA graph replays")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="timings per peer and M, peers shuffled each round (us = the median)")
     p.add_argument("--rotate", type=int, default=8, help="input sets a graph cycles through")
     p.add_argument("--router", default="uniform", choices=("uniform", "skewed"))
     p.add_argument("--check-rows", type=int, default=256, help="rows checked against the reference")
@@ -49,6 +53,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     bad = [n for n in args.peers if n not in PEERS]
     if bad:
         p.error(f"unknown peers {bad}; choose from {PEERS}")
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
     return args
 
 
@@ -81,20 +87,15 @@ def measure_peer(peer, sets: list[MoEProblem], rows, ref, *, args, floor) -> dic
         if not err <= TOLERANCE[args.dtype]:
             return row | {"status": f"WRONG: rel_err {err:.3g} > {TOLERANCE[args.dtype]}"}
         call = lambda: peer.run(x)
-        row["eager_us"] = measure.eager_us(call)
-        row["us"], row["mode"] = row["eager_us"], "eager"
+        row |= time_peer(peer, sets, args=args)
+        row["us_rounds"] = [row["us"]]
         if M <= args.graph_max_M:
             row["host_syncs"] = measure.host_syncs(call)
-            try:
-                row["us"] = measure.graph_us([lambda s=s: peer.run(s) for s in sets])
-                row["mode"] = f"graph x{len(sets)}"
-            except Exception as exc:  # report what breaks the capture, keep the eager time
-                row["graph_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                measure.synchronize()
         row["peak_bytes"] = measure.peak_bytes(call, release=peer.release)
         if args.phases:
             ph = measure.kernel_phases(call)
             row |= {"gemm_us": ph.gemm_us, "other_us": ph.other_us, "kernels": ph.kernels,
+                    "gemm_act_us": ph.gemm_and_activation_us,
                     "gemm_tflops": floor.flops / ph.gemm_us / 1e6 if ph.gemm_us else None,
                     "non_gemm_fraction": ph.non_gemm_fraction}
         row["status"] = "ok"
@@ -102,6 +103,37 @@ def measure_peer(peer, sets: list[MoEProblem], rows, ref, *, args, floor) -> dic
         traceback.print_exc(file=sys.stderr)
         row["status"] = f"error: {type(exc).__name__}: {str(exc)[:300]}"
     return row
+
+
+def time_peer(peer, sets: list[MoEProblem], *, args) -> dict:
+    """One timing of a checked peer: eager ``do_bench``, and a CUDA graph replay cycling through the
+    input sets for M <= --graph-max-M (the eager time stays beside it; a failed capture is reported)."""
+    x = sets[0]
+    out = {"eager_us": measure.eager_us(lambda: peer.run(x)), "mode": "eager"}
+    out["us"] = out["eager_us"]
+    if x.hidden.shape[0] <= args.graph_max_M:
+        try:
+            out["us"] = measure.graph_us([lambda s=s: peer.run(s) for s in sets])
+            out["mode"] = f"graph x{len(sets)}"
+        except Exception as exc:  # report what breaks the capture, keep the eager time
+            out["graph_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            measure.synchronize()
+    return out
+
+
+def more_rounds(timed: list[tuple[object, dict]], sets: list[MoEProblem], *, args, seed: int) -> None:
+    """Rounds 2..--rounds: every checked peer timed again, in a new shuffled order each round (the
+    SM clock follows the power cap, so a peer timed only first or only last would be favoured).
+    Each row's ``us`` becomes the median of its rounds, ``spread`` (max - min) / median."""
+    order = [(peer, row) for peer, row in timed if row.get("status") == "ok"]
+    for r in range(1, args.rounds):
+        random.Random(seed + r).shuffle(order)
+        for peer, row in order:
+            row["us_rounds"].append(time_peer(peer, sets, args=args)["us"])
+    for _, row in order:
+        rounds = row["us_rounds"]
+        row["us"] = statistics.median(rounds)
+        row["spread"] = (max(rounds) - min(rounds)) / row["us"]
 
 
 def _annotate(row: dict, shape, dtype: str, floor) -> dict:
@@ -138,8 +170,9 @@ def run(args: argparse.Namespace, emit, *, device) -> list[dict]:
         floor = roofline.layer_floor(shape, M, unique, common.quant_of(args.dtype), ceilings=H200)
         sample = measure.sample_rows(M, args.check_rows).to(device)
         ref = reference_for(problem, sample)
-        for peer in peers:
-            row = measure_peer(peer, sets, sample, ref, args=args, floor=floor)
+        timed = [(peer, measure_peer(peer, sets, sample, ref, args=args, floor=floor)) for peer in peers]
+        more_rounds(timed, sets, args=args, seed=seed)
+        for _, row in timed:
             rows.append(_annotate(row | {"unique_experts": unique}, shape, args.dtype, floor))
             emit(rows)
         del sets, problem, ref
@@ -168,8 +201,9 @@ COLUMNS = [
     "M", "peer", "mode", ("us", "us", ".1f"), ("eager_us", "eager us", ".1f"),
     ("floor_us", "floor us", ".1f"),
     ("pct_floor", "% floor", ".0f"), ("tflops", "TF/s", ".0f"), ("vs_vllm", "x vLLM", ".2f"), "target",
-    ("gemm_tflops", "GEMM TF/s", ".0f"), ("gemm_pct", "GEMM %", ".0f"), ("peak_mb", "peak MiB", ".0f"),
-    ("rel_err", "rel err", ".1e"), "notes",
+    ("gemm_tflops", "GEMM TF/s", ".0f"), ("gemm_pct", "GEMM %", ".0f"), ("gemm_act_us", "GEMM+act us", ".1f"),
+    ("peak_mb", "peak MiB", ".0f"),
+    ("spread", "spread", ".0%"), ("rel_err", "rel err", ".1e"), "notes",
 ]
 
 
@@ -216,7 +250,10 @@ def main(argv: list[str] | None = None, *, device=None) -> int:
               f"floor {r['floor_us']:.1f}  {r['notes']}", flush=True)
         common.save_rows(rows, args, env, name=name)
 
-    rows = run(args, emit, device=device)
+    with common.clock_log(common.results_path(name, env, args.out).with_suffix(".clocks.csv")) as clocks:
+        rows = run(args, emit, device=device)
+    if clocks is not None:
+        print(f"SM clock and power every 500 ms: {clocks}")
     print()
     print_summary(rows, args)
     print(f"\nwrote {common.save_rows(rows, args, env, name=name)}")

@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 
 GEMM_KERNEL = re.compile(r"gemm|fused_moe|matmul|cutlass|nvjet|xmma|wgmma|grouped_mm", re.IGNORECASE)
+# An activation kernel between the GEMMs (a peer that fuses it into GEMM1 has none).
+ACTIVATION_KERNEL = re.compile(r"silu|swiglu|gelu|act_and_mul", re.IGNORECASE)
 
 
 def synchronize() -> None:
@@ -155,11 +157,18 @@ def peak_bytes(fn: Callable[[], object], *, release: Callable[[], None] = lambda
 
 @dataclass
 class Phases:
-    """Device time per call, split into GEMM kernels and everything else (us)."""
+    """Device time per call, split into GEMM kernels and everything else (us); ``activation_us`` is
+    the part of ``other_us`` spent in activation kernels."""
 
     gemm_us: float
     other_us: float
     kernels: list[dict] = field(default_factory=list)  # top kernels: name, us per call, gemm?
+    activation_us: float = 0.0
+
+    @property
+    def gemm_and_activation_us(self) -> float:
+        """The GEMMs plus the activation: like for like with a peer that fuses it into GEMM1."""
+        return self.gemm_us + self.activation_us
 
     @property
     def total_us(self) -> float:
@@ -185,8 +194,14 @@ def kernel_phases(fn: Callable[[], object], *, iters: int = 3, top: int = 12) ->
     for evt in prof.events():
         if evt.device_type == DeviceType.CUDA:
             per_name[evt.name] = per_name.get(evt.name, 0.0) + evt.time_range.elapsed_us() / iters
+    return phases_of(per_name, top=top)
+
+
+def phases_of(per_name: dict[str, float], *, top: int = 12) -> Phases:
+    """Kernel name -> us per call, split by :data:`GEMM_KERNEL` and :data:`ACTIVATION_KERNEL`."""
     gemm = sum(t for n, t in per_name.items() if GEMM_KERNEL.search(n))
     other = sum(per_name.values()) - gemm
+    act = sum(t for n, t in per_name.items() if not GEMM_KERNEL.search(n) and ACTIVATION_KERNEL.search(n))
     ranked = sorted(per_name.items(), key=lambda kv: -kv[1])[:top]
     kernels = [{"name": n[:120], "us": round(t, 2), "gemm": bool(GEMM_KERNEL.search(n))} for n, t in ranked]
-    return Phases(gemm, other, kernels)
+    return Phases(gemm, other, kernels, activation_us=act)

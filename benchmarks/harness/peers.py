@@ -12,6 +12,9 @@ A problem is a :class:`moekit.testing.MoEProblem` (see :mod:`benchmarks.harness.
 
   Every step stays on the device with fixed shapes (no bincount, no ``.item()``), so it can be
   captured in a CUDA graph.
+- ``triton_kernels``: OpenAI's triton_kernels ``matmul_ogs`` (persistent TMA GEMMs, SwiGLU fused in
+  GEMM1, routing weights and the top-k sum in GEMM2), routed from the problem's ids; optional,
+  detected, skipped with the reason when absent (:mod:`benchmarks.harness.tk_peer`).
 - ``triton`` / ``triton_chunked``: moekit's TritonExperts through ModularKernel, one chunk or
   chunks of C tokens; ``triton_fused``: one chunk with silu_and_mul in GEMM1's epilogue
   (``TritonExperts(fuse_activation=True)``); ``triton_graphed``: the one-chunk kernel through ``moekit.GraphedKernel``
@@ -34,9 +37,9 @@ from moekit.errors import InvalidInputError, MoekitError
 from moekit.quant import FP8
 from moekit.testing import MoEProblem
 
-PEERS = ("grouped_mm", "triton", "triton_fused", "triton_graphed", "triton_chunked", "deep_gemm",
+PEERS = ("grouped_mm", "triton_kernels", "triton", "triton_fused", "triton_graphed", "triton_chunked", "deep_gemm",
          "deep_gemm_triton", "triton_or_deep_gemm")
-DEFAULT_PEERS = {"bf16": ("grouped_mm", "triton", "triton_chunked"),
+DEFAULT_PEERS = {"bf16": ("grouped_mm", "triton_kernels", "triton", "triton_fused", "triton_chunked"),
                  "fp8": ("triton", "deep_gemm_triton", "deep_gemm")}
 
 
@@ -123,7 +126,8 @@ def _modular(name: str, experts, chunk_size: int | None, *, graphed: bool = Fals
     return Peer(name, run, release, kernel)
 
 
-def _skip(name: str, why: str) -> Peer:
+def skipped_peer(name: str, why: str) -> Peer:
+    """A peer that cannot run here: ``skipped`` says why, and ``run`` raises that."""
     def run(x: MoEProblem) -> torch.Tensor:
         raise InvalidInputError(f"peer {name} is skipped: {why}")
 
@@ -138,10 +142,14 @@ def make_peer(name: str, dtype: str, *, chunk_size: int = 1024) -> Peer:
     quant = quant_of(dtype)
     if name == "grouped_mm":
         if dtype != "bf16":
-            return _skip(name, "torch._grouped_mm takes no 128x128 block scales (bf16 only)")
+            return skipped_peer(name, "torch._grouped_mm takes no 128x128 block scales (bf16 only)")
         if not hasattr(torch, "_grouped_mm"):
-            return _skip(name, f"torch {torch.__version__} has no torch._grouped_mm")
+            return skipped_peer(name, f"torch {torch.__version__} has no torch._grouped_mm")
         return Peer(name, grouped_mm_moe)
+    if name == "triton_kernels":
+        from benchmarks.harness.tk_peer import make_tk_peer
+
+        return make_tk_peer(name, dtype)
     try:
         if name in ("triton", "triton_fused", "triton_graphed", "triton_chunked"):
             from moekit.experts import TritonExperts
@@ -154,7 +162,7 @@ def make_peer(name: str, dtype: str, *, chunk_size: int = 1024) -> Peer:
 
             return _modular(name, TritonOrDeepGemmExperts(quant=quant), None)
         if dtype != "fp8":
-            return _skip(name, "DeepGemmExperts is fp8 block only")
+            return skipped_peer(name, "DeepGemmExperts is fp8 block only")
         from moekit.experts import DeepGemmExperts
 
         if name == "deep_gemm":
@@ -162,8 +170,8 @@ def make_peer(name: str, dtype: str, *, chunk_size: int = 1024) -> Peer:
 
             st = status()
             if not st.usable:
-                return _skip(name, f"deep_gemm not usable: {st.reason}")
+                return skipped_peer(name, f"deep_gemm not usable: {st.reason}")
             return _modular(name, DeepGemmExperts(quant=quant, backend="deep_gemm"), None)
         return _modular(name, DeepGemmExperts(quant=quant, backend="triton"), None)
     except MoekitError as exc:  # the experts refuse this dtype or this machine
-        return _skip(name, f"{type(exc).__name__}: {exc}")
+        return skipped_peer(name, f"{type(exc).__name__}: {exc}")

@@ -179,6 +179,23 @@ def test_layer_orchestration_on_cpu(monkeypatch, tmp_path, capsys):
     assert "grouped_mm" in out and "host sync: moekit/x.py" in out and "skipped" in out
 
 
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no torch._grouped_mm")
+def test_layer_rounds_time_every_checked_peer_again_and_take_the_median(monkeypatch, tmp_path):
+    monkeypatch.setitem(roofline.SHAPES, "tiny", TINY)
+    _fake_timers(monkeypatch)
+    times = iter([10.0, 30.0, 20.0])
+    monkeypatch.setattr(measure, "eager_us", lambda fn, **kw: (fn(), next(times))[1])
+    path = tmp_path / "layer-rounds.json"
+    argv = ["--shape", "tiny", "--M", "40", "--graph-max-M", "0", "--rounds", "3",
+            "--peers", "grouped_mm,deep_gemm", "--json", str(path)]
+    assert layer.main(argv, device="cpu") == 0
+    timed, skipped = json.loads(path.read_text())["rows"]
+    assert timed["us_rounds"] == [10.0, 30.0, 20.0] and timed["us"] == 20.0 and timed["spread"] == 1.0
+    assert "us_rounds" not in skipped
+    with pytest.raises(SystemExit):
+        layer.parse(["--rounds", "0"])
+
+
 @pytest.mark.interpreter
 def test_layer_fp8_with_the_blockwise_reference_on_cpu(monkeypatch, tmp_path):
     """fp8 block weights through moekit's experts, checked against the block-at-a-time oracle
@@ -249,3 +266,12 @@ def test_cli_and_gpu_checks_import(capsys):
     assert "layer" in capsys.readouterr().out
     for name in ("gpu_check_triton", "gpu_check_deep_gemm", "gpu_count_variants", "gpu_ep_bench", "bench_summary"):
         assert callable(importlib.import_module(f"benchmarks.{name}").main)
+
+
+def test_phases_count_the_activation_beside_the_gemms():
+    ph = measure.phases_of({"_fused_moe_kernel_0d1d": 50.0, "_silu_and_mul_kernel": 4.0, "_moe_align_kernel": 3.0,
+                            "_p_matmul_ogs_NNT_bf16xbf16xbf16_128x256x64x1_swiglu": 40.0, "Memset (Device)": 1.0})
+    assert ph.gemm_us == 90.0 and ph.other_us == 8.0
+    assert ph.activation_us == 4.0  # a GEMM with a fused activation counts once, as a GEMM
+    assert ph.gemm_and_activation_us == 94.0
+    assert ph.kernels[0]["name"] == "_fused_moe_kernel_0d1d" and ph.kernels[1]["gemm"]
