@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-GEMM_KERNEL = re.compile(r"gemm|fused_moe|matmul|cutlass|nvjet|xmma|wgmma|grouped_mm", re.IGNORECASE)
+GEMM_KERNEL = re.compile(r"gemm|fused_moe|persistent_moe|matmul|cutlass|nvjet|xmma|wgmma|grouped_mm", re.IGNORECASE)
 # An activation kernel between the GEMMs (a peer that fuses it into GEMM1 has none).
 ACTIVATION_KERNEL = re.compile(r"silu|swiglu|gelu|act_and_mul", re.IGNORECASE)
 

@@ -15,8 +15,8 @@ GEMM2 scales each row by its routing weight and sums a token's ``topk`` rows its
 layer's ``[M, K]`` output. The routing is torch on the device with fixed shapes (no host sync), so a
 CUDA graph captures it. triton_kernels' fused activation reduces adjacent column pairs, so the
 weights are given to it as ``w13 [E, K, N]`` with gate and up columns interleaved (gate even) and
-``w2t [E, N/2, K]``: copies made once per weight tensor and kept until ``release()``. bf16 only:
-its fp8 path takes per-tensor or microscaling factors, not moekit's 128x128 blocks.
+``w2t [E, N/2, K]``: copies made once per weight tensor (again after it is written to), kept until
+``release()``. bf16 only: its fp8 path takes per-tensor or microscaling factors, not 128x128 blocks.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import glob
 import importlib
 import os
 import sys
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,7 +95,13 @@ class TkWeights:
 
     w13: torch.Tensor  # [E, K, N], columns g0, u0, g1, u1, ...
     w2t: torch.Tensor  # [E, N/2, K]
-    source: tuple[int, int]  # data pointers of the w1, w2 they came from
+    source: tuple  # weak references to the w1, w2 they came from, and those tensors' versions
+
+    def made_from(self, w1: torch.Tensor, w2: torch.Tensor) -> bool:
+        """Whether these copies are of exactly ``w1`` and ``w2`` as they are now. Not by data pointer:
+        a freed weight's memory is handed to the next problem's weights at the same address."""
+        (r1, v1), (r2, v2) = self.source
+        return r1() is w1 and r2() is w2 and (w1._version, w2._version) == (v1, v2)
 
 
 def to_tk_weights(w1: torch.Tensor, w2: torch.Tensor) -> TkWeights:
@@ -102,7 +109,24 @@ def to_tk_weights(w1: torch.Tensor, w2: torch.Tensor) -> TkWeights:
     E, N, K = w1.shape
     half = N // 2
     rows = torch.stack((w1[:, :half], w1[:, half:]), dim=2).reshape(E, N, K)  # g0, u0, g1, u1, ...
-    return TkWeights(rows.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous(), (w1.data_ptr(), w2.data_ptr()))
+    source = ((weakref.ref(w1), w1._version), (weakref.ref(w2), w2._version))
+    return TkWeights(rows.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous(), source)
+
+
+class WeightCache:
+    """The last weights' :class:`TkWeights`, remade when other (or rewritten) weights come."""
+
+    def __init__(self) -> None:
+        self.last: TkWeights | None = None
+
+    def get(self, w1: torch.Tensor, w2: torch.Tensor) -> TkWeights:
+        if self.last is None or not self.last.made_from(w1, w2):
+            self.last = None  # free the old copies before making new ones
+            self.last = to_tk_weights(w1, w2)
+        return self.last
+
+    def clear(self) -> None:
+        self.last = None
 
 
 @dataclass(frozen=True)
@@ -141,20 +165,14 @@ class TritonKernelsLayer:
         self.mm = mm
         self.ragged = make_ragged_tensor_metadata
         self.activation = mm.FusedActivation(FnSpecs("silu_mul_pairs", silu_mul_pairs, tuple(), reduction_n=2), tuple())
-        self.weights: TkWeights | None = None
-
-    def weights_for(self, x: MoEProblem) -> TkWeights:
-        if self.weights is None or self.weights.source != (x.w1.data_ptr(), x.w2.data_ptr()):
-            self.weights = None  # free the old copies before making new ones
-            self.weights = to_tk_weights(x.w1, x.w2)
-        return self.weights
+        self.weights = WeightCache()
 
     def __call__(self, x: MoEProblem) -> torch.Tensor:
         if x.w1.dtype != torch.bfloat16 or x.expert_map is not None:
             raise InvalidInputError("the triton_kernels peer runs bf16 weights without an expert_map, got "
                                     f"{x.w1.dtype}, expert_map={'set' if x.expert_map is not None else None}")
         E, topk = x.w1.shape[0], x.topk_ids.shape[1]
-        w = self.weights_for(x)
+        w = self.weights.get(x.w1, x.w2)
         r = route_from_ids(x.topk_ids, x.topk_weights, E)
         meta = self.ragged(r.counts, r.combine.numel())
         routing = self.mm.RoutingData(r.gammas, meta.slice_sizes, E, topk, meta)
@@ -164,7 +182,7 @@ class TritonKernelsLayer:
                                   gammas=r.gammas)
 
     def release(self) -> None:
-        self.weights = None
+        self.weights.clear()
 
 
 def make_tk_peer(name: str, dtype: str) -> Peer:

@@ -14,7 +14,12 @@ Shapes (M_sum rows of the layout, N output columns, K reduction, E experts)::
 
 Every 128-row block holds one expert, so a tile of BLOCK_M rows (BLOCK_M divides 128) reads its
 expert once, from its first row. Scales are applied per 128-wide K step, outside the fp8 dot:
-``acc += dot(a_tile, b_tile) * a_scale[:, None] * b_scale[None, :]``.
+``acc += dot(a_tile, b_tile) * a_scale[:, None] * b_scale[None, :]``. A tile at most 128 columns
+wide lies in one weight-scale block, so its weight scale is one number per K step, folded into the
+row scales first: one multiply-add per accumulator element and K step instead of two multiplies
+and an add (the promotion runs between the tensor-core steps, so it is on the critical path).
+With ``GemmConfig.tma`` the fp8 tiles come by TMA (host-side descriptors; padding rows are then
+zeroed at the store instead of at the load).
 
 It is a drop-in for ``deep_gemm``'s contiguous GEMM (same arguments, same layout), portable to
 any GPU Triton supports and to the CPU interpreter. ``block_rows`` (rows holding data in each
@@ -33,6 +38,7 @@ import triton.language as tl
 from moekit.device import interpreting
 from moekit.errors import InvalidInputError
 from moekit.kernels.host_math import cdiv, next_power_of_2
+from moekit.kernels.tma import tma_descriptor, weight_descriptor
 from moekit.quant import FP8, FP8_GROUP
 from moekit.types import ALIGN_M
 
@@ -49,6 +55,7 @@ class GemmConfig:
     group_m: int = 8
     num_warps: int = 8
     num_stages: int = 4
+    tma: bool = False  # fp8 tiles by TMA (Hopper; falls back to pointer loads where TMA cannot read)
 
     def __post_init__(self):
         if self.block_m <= 0 or ALIGN_M % self.block_m:
@@ -67,7 +74,7 @@ def default_config(num_rows: int, N: int, K: int) -> GemmConfig:
 @triton.jit
 def _contiguous_gemm_kernel(
     # Pointers
-    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, m_indices_ptr, block_rows_ptr,
+    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, m_indices_ptr, block_rows_ptr, a_desc, b_desc,
     # Sizes
     num_rows, N, K,
     stride_am, stride_asm, stride_asg,
@@ -75,7 +82,7 @@ def _contiguous_gemm_kernel(
     stride_om,
     # Meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SKIP_PADDING: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    SKIP_PADDING: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, TMA: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_m = num_rows // BLOCK_M
@@ -107,11 +114,15 @@ def _contiguous_gemm_kernel(
     b_ptrs = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
     as_ptrs = a_scale_ptr + offs_m * stride_asm
     bs_ptrs = b_scale_ptr + expert * stride_bse + (offs_n // GROUP) * stride_bsn
+    b_scale_of_tile = b_scale_ptr + expert * stride_bse + (pid_n * BLOCK_N // GROUP) * stride_bsn
     n_ok = offs_n < N
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for ks in range(0, k_steps):
-        if EVEN_K:
+        if TMA:  # zeros past K and past the last row; columns past N are another expert's, never stored
+            a = a_desc.load([r0, ks * BLOCK_K])
+            b = b_desc.load([(expert * N + pid_n * BLOCK_N).to(tl.int32), ks * BLOCK_K]).T
+        elif EVEN_K:
             if SKIP_PADDING:
                 a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
             else:
@@ -125,10 +136,15 @@ def _contiguous_gemm_kernel(
             a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         a_s = tl.load(as_ptrs + ks * stride_asg, mask=m_ok, other=0.0)
-        b_s = tl.load(bs_ptrs + ks, mask=n_ok, other=0.0)
-        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        if BLOCK_N <= GROUP:  # the tile's columns share one weight scale per K step
+            acc += tl.dot(a, b) * (a_s * tl.load(b_scale_of_tile + ks))[:, None]
+        else:
+            b_s = tl.load(bs_ptrs + ks, mask=n_ok, other=0.0)
+            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    if TMA and SKIP_PADDING:  # padding rows were read whole: their bytes are whatever the workspace held
+        acc = tl.where(m_ok[:, None], acc, 0.0)
 
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     if EVEN_N:
@@ -201,14 +217,18 @@ def contiguous_gemm(
         return out
     cfg = config or default_config(M_sum, N, K)
     grid = ((M_sum // cfg.block_m) * cdiv(N, cfg.block_n),)
+    a_desc = tma_descriptor(a, [cfg.block_m, FP8_GROUP]) if cfg.tma else None
+    b_desc = weight_descriptor(b, [cfg.block_n, FP8_GROUP]) if a_desc is not None else None
+    tma = a_desc is not None and b_desc is not None
     _contiguous_gemm_kernel[grid](
         a, a_scale, b, b_scale, out, m_indices, block_rows if block_rows is not None else m_indices,
+        a_desc if tma else a, b_desc if tma else b,
         M_sum, N, K,
         a.stride(0), a_scale.stride(0), a_scale.stride(1),
         b.stride(0), b.stride(1), b_scale.stride(0), b_scale.stride(1),
         out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=FP8_GROUP, GROUP_M=cfg.group_m,
-        SKIP_PADDING=block_rows is not None, EVEN_K=K % FP8_GROUP == 0, EVEN_N=N % cfg.block_n == 0,
+        SKIP_PADDING=block_rows is not None, EVEN_K=K % FP8_GROUP == 0, EVEN_N=N % cfg.block_n == 0, TMA=tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out

@@ -38,24 +38,19 @@ from moekit.kernels.gemm_tile import _tile
 from moekit.kernels.host_math import cdiv
 from moekit.kernels.launch import LeanLauncher, sm_count
 from moekit.kernels.persistent_gemm import INTERPRETER_SMS, _persistent_moe_kernel
+from moekit.kernels.tma import tma_descriptor, weight_descriptor
 from moekit.quant import FP8, FP8_GROUP, FP8_MAX, TINY_SCALE
 
 
 def _weight_descriptor(w: torch.Tensor, config: KernelConfig) -> TensorDescriptor | None:
-    """A TMA descriptor of ``w`` as ``[E * N, K]`` with ``[BLOCK_N, BLOCK_K]`` boxes, or None
-    where TMA cannot read it (not contiguous, rows not a multiple of 16 bytes, unaligned base)."""
-    E, N, K = w.shape
-    if not w.is_contiguous() or (K * w.element_size()) % 16 or w.data_ptr() % 16 or w.numel() == 0:
-        return None
-    return TensorDescriptor(w.view(E * N, K), [E * N, K], [K, 1], [config.BLOCK_N, config.BLOCK_K])
+    """``w`` as ``[E * N, K]`` in ``[BLOCK_N, BLOCK_K]`` boxes, or None where TMA cannot read it."""
+    return weight_descriptor(w, [config.BLOCK_N, config.BLOCK_K])
 
 
 def _rows_descriptor(a: torch.Tensor, config: KernelConfig) -> TensorDescriptor | None:
-    """A TMA descriptor of activations read by position (``[rows, K]``, ``[BLOCK_M, BLOCK_K]`` boxes:
-    a tile's rows are consecutive there), or None where TMA cannot read them."""
-    if a.dim() != 2 or a.stride(1) != 1 or (a.stride(0) * a.element_size()) % 16 or a.data_ptr() % 16 or a.numel() == 0:
-        return None
-    return TensorDescriptor(a, list(a.shape), [a.stride(0), 1], [config.BLOCK_M, config.BLOCK_K])
+    """Activations read by position (``[rows, K]`` in ``[BLOCK_M, BLOCK_K]`` boxes: a tile's rows are
+    consecutive there), or None where TMA cannot read them."""
+    return tma_descriptor(a, [config.BLOCK_M, config.BLOCK_K])
 
 
 @triton.jit(do_not_specialize=["numel", "num_blocks", "row_base", "expert_off", "post_off"])  # they change with M

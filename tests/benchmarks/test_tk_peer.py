@@ -40,6 +40,20 @@ def test_tk_weights_interleave_gate_and_up_by_column():
     assert torch.equal(w.w2t, p.w2.transpose(1, 2))
 
 
+def test_the_weight_copies_follow_the_weights_not_their_address():
+    p = _problem(E=3, K=8, N=10)
+    cache = tk_peer.WeightCache()
+    first = cache.get(p.w1, p.w2)
+    assert cache.get(p.w1, p.w2) is first
+    p.w1.mul_(2.0)  # same tensor, same address, new values: what a freed-and-reused address also looks like
+    again = cache.get(p.w1, p.w2)
+    assert again is not first and torch.equal(again.w13[:, :, 0::2], p.w1[:, :5].transpose(1, 2))
+    other = p.w2.clone()
+    assert cache.get(p.w1, other) is not again
+    cache.clear()
+    assert cache.last is None
+
+
 @triton.jit
 def _apply_activation(X, Y, BM: tl.constexpr, BN: tl.constexpr):
     rows, cols = tl.arange(0, BM), tl.arange(0, BN)
@@ -121,8 +135,8 @@ def test_the_peer_gives_the_reference_on_a_gpu(M):
         pytest.skip(peer.skipped)
     p = make_problem(M, E=16, topk=4, K=512, N=768, dtype=torch.bfloat16, seed=M, device="cuda")
     assert_close(peer.run(p), p.reference(), dtype=torch.bfloat16)
-    first = peer.run.weights
+    first = peer.run.weights.last
     peer.run(p)
-    assert peer.run.weights is first  # the copies are kept for the same weights
+    assert peer.run.weights.last is first  # the copies are kept for the same weights
     peer.release()
-    assert peer.run.weights is None
+    assert peer.run.weights.last is None
