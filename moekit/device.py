@@ -19,6 +19,7 @@ Under the interpreter, importing moekit also:
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import os
 import re
@@ -155,3 +156,17 @@ def get_device() -> torch.device:
 def interpreting() -> bool:
     """True when Triton kernels run in the interpreter (CPU tensors)."""
     return _INTERPRETING
+
+
+def has_tma(device: torch.device | None = None) -> bool:
+    """True when ``device`` (default: the current CUDA device) has the tensor-memory accelerator that
+    TMA descriptors need: compute capability 9.0 (Hopper) or later. False under the interpreter."""
+    if _INTERPRETING or not torch.cuda.is_available():
+        return False
+    index = torch.cuda.current_device() if device is None or device.index is None else device.index
+    return _capability_major(index) >= 9
+
+
+@functools.cache
+def _capability_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]

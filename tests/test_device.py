@@ -134,3 +134,14 @@ def test_interpreted_launches_of_any_kernel_take_turns():
     for t in threads:
         t.join()
     assert not errors, errors
+
+
+def test_has_tma_follows_the_device():
+    import torch
+
+    from moekit.device import has_tma, interpreting
+
+    if interpreting():
+        assert has_tma() is False  # the interpreter reads descriptors, but no kernel picks TMA by default there
+    else:
+        assert has_tma() == (torch.cuda.get_device_capability()[0] >= 9)
