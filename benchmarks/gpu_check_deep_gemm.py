@@ -47,15 +47,17 @@ from moekit.testing import MoEProblem, make_problem
 from moekit.types import ProblemSize, QuantScheme
 
 SWEEP = [
-    # The default (64x128, 4 warps, 4 stages, by TMA on Hopper) first: every other config is checked against it.
+    # The default (64x128, 4 warps, 3 stages, by TMA on Hopper) first: every other config is checked against it.
+    GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=3, tma=True),
     GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=4, tma=True),
     GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=4),  # pointer loads
     GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=4),
     GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=4, tma=True),
-    GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=3, tma=True),
-    GemmConfig(block_m=64, block_n=128, group_m=4, num_warps=4, num_stages=4, tma=True),
-    GemmConfig(block_m=64, block_n=128, group_m=16, num_warps=4, num_stages=4, tma=True),
-    GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=8, num_stages=4, tma=True),
+    GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=2, tma=True),
+    GemmConfig(block_m=64, block_n=128, group_m=4, num_warps=4, num_stages=3, tma=True),
+    GemmConfig(block_m=64, block_n=128, group_m=16, num_warps=4, num_stages=3, tma=True),
+    GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=8, num_stages=3, tma=True),
+    GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=3, tma=True),
     GemmConfig(block_m=128, block_n=64, group_m=8, num_warps=4, num_stages=4, tma=True),
     GemmConfig(block_m=64, block_n=64, group_m=8, num_warps=4, num_stages=5, tma=True),
     # 256 columns span two weight-scale blocks: the per-column scale path.

@@ -65,13 +65,14 @@ class GemmConfig:
 
 
 def default_config(num_rows: int, N: int, K: int) -> GemmConfig:
-    """Tiles for the interpreter (few, large programs) or for the GPU: 64x128, 4 warps, 4 stages, by TMA
+    """Tiles for the interpreter (few, large programs) or for the GPU: 64x128, 4 warps, 3 stages, by TMA
     where the GPU has it. On one H200 at DeepSeek-V3's shapes (M=4096, 2026-12-02,
-    ``benchmarks/gpu_check_deep_gemm.py``) TMA took GEMM1 from 4.12 to 3.41 ms and GEMM2 from 2.22 to
-    1.80; 128-row tiles compute 18% more padding rows and were slower with or without it."""
+    ``benchmarks/gpu_check_deep_gemm.py``, GEMM1 / GEMM2): pointer loads 4.09 / 2.15 ms, TMA with 4
+    stages 3.17 / 1.77, with 3 stages 2.97 / 1.68; 128-row tiles compute 18% more padding rows and
+    were slower with or without TMA."""
     if interpreting():  # each program costs ~50 ms of Python: use as few as possible
         return GemmConfig(block_m=128, block_n=max(16, min(256, next_power_of_2(N))), num_stages=1)
-    return GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=4, tma=has_tma())
+    return GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=3, tma=has_tma())
 
 
 @triton.jit
