@@ -220,6 +220,8 @@ def test_chunking_orchestration_on_cpu(monkeypatch, tmp_path):
     _fake_timers(monkeypatch)
     monkeypatch.setattr(measure, "peak_bytes", lambda fn, release, **kw: (release(), fn(), 1)[2])
     monkeypatch.setattr(chunking, "HOST_REPEATS", 1)  # each interpreted forward costs seconds
+    monkeypatch.setattr(measure, "eager_us", lambda fn, **kw: 10.0)  # so the timers run no forward here
+    monkeypatch.setattr(measure, "graph_us", lambda calls, **kw: 5.0)  # (the layer test runs them through)
     path = tmp_path / "chunking.json"
     argv = ["--shape", "tiny", "--M", "40", "--C", "16", "None", "--ws-M", "16", "256", "--json", str(path)]
     assert chunking.main(argv, device="cpu") == 0
