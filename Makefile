@@ -31,7 +31,7 @@ lint: venv
 # On a CUDA machine the `interpreter` tests (CPU tensors into the kernels) skip in the first run,
 # which compiles for the GPU; the second run gives them Triton's interpreter, as CI does.
 test: venv lint
-	$(PY) -m pytest -q -n 2 --dist worksteal --durations=25 $(ARGS)
+	$(PY) -m pytest -q -n 2 --dist worksteal --durations=60 $(ARGS)
 	@if [ "$${MOEKIT_DEVICE:-}" != cpu ] && $(PY) -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
 		echo "CUDA machine: the interpreter tests again, on the CPU (MOEKIT_DEVICE=cpu)"; \
 		MOEKIT_DEVICE=cpu $(PY) -m pytest -q -m interpreter $(ARGS); \
