@@ -1,4 +1,4 @@
-"""``moekit walkthrough``: run every notebook in order and write an HTML report.
+"""``moekit walkthrough``: run every notebook and write an HTML report.
 
 ::
 
@@ -8,6 +8,7 @@
     moekit walkthrough --only 02 03         # a subset
     moekit walkthrough --only 02 02:M=300   # a subset, with a parameter
     moekit walkthrough --update-docs        # also copy the key figures to docs/figures/
+    moekit walkthrough --jobs 1             # one notebook at a time (default: two, each in its own kernel)
 
 For each notebook it writes the executed ``.ipynb`` and its HTML (nbconvert), then an
 ``index.html`` linking them (with what it ran on: ``moekit info``), prints a table (notebook,
@@ -30,6 +31,7 @@ import stat
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -192,8 +194,9 @@ def run_one(notebook: Path, out_dir: Path, parameters: dict, *, kernel: str, tim
     return result
 
 
-def summary(results: list[Result]) -> str:
-    """The table printed at the end: notebook, seconds, status."""
+def summary(results: list[Result], *, wall_seconds: float | None = None) -> str:
+    """The table printed at the end: notebook, seconds, status; the total is the notebooks' own
+    seconds added up, and ``wall_seconds`` (when given) the time the run took with them in parallel."""
     width = max([len("notebook")] + [len(r.name) for r in results])
     lines = [f"{'notebook':<{width}}  {'seconds':>7}  status", "-" * (width + 18)]
     lines += [f"{r.name:<{width}}  {r.seconds:7.1f}  {r.status}" for r in results]
@@ -201,6 +204,8 @@ def summary(results: list[Result]) -> str:
         f"{'total':<{width}}  {sum(r.seconds for r in results):7.1f}  "
         f"{sum(r.status == 'ok' for r in results)}/{len(results)} ok"
     )
+    if wall_seconds is not None:
+        lines.append(f"{'wall clock':<{width}}  {wall_seconds:7.1f}")
     return "\n".join(lines)
 
 
@@ -256,10 +261,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--notebooks", type=Path, default=None, help="folder of notebooks (default: <repo>/notebooks)")
     p.add_argument("--out", type=Path, default=None, help="output folder (default: <repo>/build/walkthrough)")
     p.add_argument("--timeout", type=int, default=300, help="seconds per cell before a notebook fails")
+    p.add_argument("--jobs", type=_positive, default=min(2, os.cpu_count() or 1),
+                   help="notebooks run at once, each in its own kernel process (default: 2, or 1 on one core)")
     p.add_argument("--no-html", action="store_true", help="skip the nbconvert HTML export")
     p.add_argument("--update-docs", action="store_true", help="copy the figures to --docs-dir")
     p.add_argument("--docs-dir", type=Path, default=None, help="default: <repo>/docs/figures")
     return p
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text}")
+    return value
 
 
 def _scoped(items: list[str]) -> list[tuple[str, str, object]]:
@@ -307,23 +321,20 @@ def main(argv: list[str] | None = None) -> int:
     plans = [(n, parameters_for(n, declared_parameters(n), global_params, scoped)) for n in notebooks]
     shutil.rmtree(out_dir / "figures", ignore_errors=True)
     out_dir.mkdir(parents=True, exist_ok=True)
-    kernel, results = use_moekit_kernel(), []
-    with tqdm(plans, unit="notebook", file=sys.stderr, dynamic_ncols=True) as bar:
-        for notebook, params in bar:
-            bar.set_description(notebook.stem)
-            results.append(
-                run_one(
-                    notebook,
-                    out_dir,
-                    params,
-                    kernel=kernel,
-                    timeout=args.timeout,
-                    html_report=not args.no_html,
-                )
-            )
-            bar.set_postfix(last=f"{results[-1].status} {results[-1].seconds:.0f}s")
+    kernel, start = use_moekit_kernel(), time.perf_counter()
+    results: list[Result | None] = [None] * len(plans)
+    # Each notebook runs in a kernel process of its own: threads here only wait on them. The
+    # table and the index keep the notebooks' order, whichever finishes first.
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool, \
+            tqdm(total=len(plans), unit="notebook", file=sys.stderr, dynamic_ncols=True) as bar:
+        futures = {pool.submit(run_one, notebook, out_dir, params, kernel=kernel, timeout=args.timeout,
+                               html_report=not args.no_html): i for i, (notebook, params) in enumerate(plans)}
+        for done in as_completed(futures):
+            r = results[futures[done]] = done.result()
+            bar.update(1)
+            bar.set_postfix(last=f"{r.name} {r.status} {r.seconds:.0f}s")
     index = write_index(results, out_dir)
-    print(summary(results))
+    print(summary(results, wall_seconds=time.perf_counter() - start))
     for r in results:
         if r.error:
             print(f"{r.name}: {r.error}", file=sys.stderr)

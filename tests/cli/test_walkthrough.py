@@ -76,6 +76,7 @@ def test_walkthrough_main(tmp_path, capsys):
     assert walkthrough.main([*args, "01:M=7"]) == 1  # 02 fails: exit status 1, docs untouched
     printed = capsys.readouterr()
     assert "02_fails" in printed.out and "FAILED" in printed.out and "boom" in printed.err
+    assert printed.out.index("01_ok") < printed.out.index("02_fails")  # two at once, listed in order
     assert "FAILED" in (out / "index.html").read_text()
     # `--only 01 01:M=7` keeps the override (argparse hands it to --only); a prefix that matches
     # nothing, or an override for a notebook outside the run, is an error that lists the notebooks.
@@ -87,12 +88,20 @@ def test_walkthrough_main(tmp_path, capsys):
     assert "names no notebook of this run" in printed.err
 
 
+def test_jobs_must_be_a_positive_count(capsys):
+    with pytest.raises(SystemExit):
+        walkthrough.build_parser().parse_args(["--jobs", "0"])
+    assert "expected a whole number >= 1, got 0" in capsys.readouterr().err
+    assert walkthrough.build_parser().parse_args(["--jobs", "3"]).jobs == 3
+
+
 def test_summary_counts_the_notebooks_that_passed():
     results = [walkthrough.Result("01_a", seconds=1.25), walkthrough.Result("02_long_name", 2.5, "FAILED", "boom")]
     lines = walkthrough.summary(results).splitlines()
     assert lines[0].split() == ["notebook", "seconds", "status"]
     assert lines[2].split() == ["01_a", "1.2", "ok"] and lines[3].split() == ["02_long_name", "2.5", "FAILED"]
     assert lines[-1].split() == ["total", "3.8", "1/2", "ok"]
+    assert walkthrough.summary(results, wall_seconds=2.6).splitlines()[-1].split() == ["wall", "clock", "2.6"]
 
 
 def test_extract_figures_saves_each_tagged_png(tmp_path):
