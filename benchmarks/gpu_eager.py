@@ -70,7 +70,9 @@ def host_us(fn, calls: int = 500) -> float:
 
 
 def wall_us(fns, calls: int) -> float:
-    """Wall-clock microseconds per call of ``calls`` back-to-back calls cycling over ``fns``, one sync."""
+    """Wall-clock microseconds per call of ``calls`` back-to-back calls cycling over ``fns``, one sync.
+    (``benchmarks.harness.measure.back_to_back_us`` does the same; this script imports nothing of its
+    checkout but moekit, since ``--moekit`` may point at another one.)"""
     for f in fns:
         f()
     torch.cuda.synchronize()

@@ -3,6 +3,7 @@
 - :func:`sample_rows`: the rows checked against the oracle (:mod:`benchmarks.harness.problem`);
 - :func:`rel_error`: ``||out - ref|| / ||ref||`` (NaN fails every comparison);
 - :func:`eager_us`: ``triton.testing.do_bench`` median, L2 flushed before each call;
+- :func:`back_to_back_us`: plain calls in a loop, one synchronize (a user's eager loop);
 - :func:`graph_us`: one CUDA graph replaying the call over several input sets in turn (so the
   same experts' weights are not served from L2 every time), median per call;
 - :func:`host_syncs`: the host syncs one call makes, with the moekit line that made each
@@ -67,6 +68,21 @@ def eager_us(fn: Callable[[], object], *, rep_ms: float = 100.0) -> float:
     torch.cuda.synchronize()
     rep = max(rep_ms, 10 * start.elapsed_time(end))
     return do_bench(fn, warmup=max(25.0, rep / 4), rep=rep, return_mode="median") * 1e3
+
+
+def back_to_back_us(fns: list[Callable[[], object]], calls: int) -> float:
+    """Wall-clock us per call of ``calls`` plain calls cycling over ``fns``, one synchronize at the end
+    (what a user's eager loop gets: host and GPU overlap, no L2 flush; one warm-up call of each first)."""
+    import time
+
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(calls):
+        fns[i % len(fns)]()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
 
 
 def graph_us(calls: list[Callable[[], object]], *, target_ms: float = 20.0, replays: int = 10) -> float:
@@ -180,16 +196,23 @@ class Phases:
 
 
 def kernel_phases(fn: Callable[[], object], *, iters: int = 3, top: int = 12) -> Phases:
-    """Profile ``iters`` calls; sum each kernel's device time (memcpy/memset count as 'other')."""
+    """Profile ``iters`` calls; sum each kernel's device time (memcpy/memset count as 'other').
+
+    moekit's kernels run without programmatic dependent launch here (``moekit.kernels.pdl``): with it
+    a kernel starts before the previous one ends and its profiled time includes that wait, so the
+    per-kernel times would overlap. The layer times (``eager_us``, ``graph_us``) keep it on."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
+    from moekit.kernels import pdl
+
+    with pdl.disabled():
+        fn()
         torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                fn()
+            torch.cuda.synchronize()
     per_name: dict[str, float] = {}
     for evt in prof.events():
         if evt.device_type == DeviceType.CUDA:

@@ -23,6 +23,7 @@ from moekit.device import interpreting
 from moekit.errors import InvalidInputError, QuantizationError
 from moekit.kernels.host_math import cdiv, next_power_of_2
 from moekit.kernels.launch import LeanLauncher, int_spec
+from moekit.kernels.pdl import pdl_begin
 from moekit.quant import FP8, FP8_GROUP, FP8_MAX, TINY_SCALE
 
 
@@ -102,7 +103,9 @@ def _silu_and_mul_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
     FIX_ROUNDING: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_begin(PDL)  # nothing is read before the previous kernel completes
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = (rows[:, None] < R) & (cols[None, :] < H)
@@ -147,7 +150,7 @@ def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.T
     return launch_silu_and_mul(x, out, R, H, x_stride=x.stride(0) if R else 2 * H, out_stride=out.stride(0) if R else H)
 
 
-_SILU = LeanLauncher(_silu_and_mul_kernel)
+_SILU = LeanLauncher(_silu_and_mul_kernel, pdl=True)
 
 
 def launch_silu_and_mul(x: torch.Tensor, out: torch.Tensor, rows: int, width: int, *, x_stride: int, out_stride: int,
@@ -200,7 +203,9 @@ def _silu_and_mul_fp8_group_kernel(
     FP8_MAX: tl.constexpr,
     TINY: tl.constexpr,
     FIX_ROUNDING: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_begin(PDL)  # nothing is read before the previous kernel completes
     g = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = g * GROUP + tl.arange(0, GROUP)
@@ -296,7 +301,7 @@ def silu_and_mul_fp8_group(
                                          rows_padded=R_pad)  # fmt: skip
 
 
-_SILU_FP8 = LeanLauncher(_silu_and_mul_fp8_group_kernel)
+_SILU_FP8 = LeanLauncher(_silu_and_mul_fp8_group_kernel, pdl=True)
 
 
 def launch_silu_and_mul_fp8_group(

@@ -41,6 +41,7 @@ import triton.language as tl
 from moekit.errors import InvalidInputError
 from moekit.kernels.host_math import cdiv, next_power_of_2
 from moekit.kernels.launch import LeanLauncher, int_spec
+from moekit.kernels.pdl import pdl_begin
 from moekit.validate import (
     check_expert_map,
     check_flag,
@@ -129,7 +130,9 @@ def _align_count_kernel(
     # Meta-parameters
     HAS_MAP: tl.constexpr, KEEP_EMPTY: tl.constexpr, NUM_BINS: tl.constexpr, TILE: tl.constexpr,
     LOCAL_COUNTS: tl.constexpr, LOCAL_BINS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_begin(PDL)  # nothing is read before the previous kernel completes
     counts_ptr = out_ptr + counts_off
     t = tl.program_id(0)
     if LOCAL_COUNTS:  # the scan adds each local expert's total into zeros (it runs after this launch)
@@ -153,7 +156,9 @@ def _align_scan_kernel(
     num_tiles, counts_off, totals_off, E, num_local, local_off,
     # Meta-parameters
     BLOCK: tl.constexpr, HAS_MAP: tl.constexpr, LOCAL_COUNTS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_begin(PDL)  # nothing is read before the previous kernel completes
     counts_ptr = out_ptr + counts_off
     totals_ptr = out_ptr + totals_off
     b = tl.program_id(0)
@@ -185,7 +190,9 @@ def _align_scatter_kernel(
     # Meta-parameters
     BLOCK_M: tl.constexpr, HAS_MAP: tl.constexpr, KEEP_EMPTY: tl.constexpr, NUM_BINS: tl.constexpr,
     TILE: tl.constexpr, OWNED: tl.constexpr, PAD_W: tl.constexpr, FILL: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_begin(PDL)  # nothing is read before the previous kernel completes
     sorted_ptr = out_ptr
     expert_ids_ptr = out_ptr + expert_off
     post_ptr = out_ptr + post_off
@@ -227,7 +234,9 @@ def _align_small_kernel(
     BLOCK_M: tl.constexpr, HAS_MAP: tl.constexpr, KEEP_EMPTY: tl.constexpr, NUM_BINS: tl.constexpr,
     TILE: tl.constexpr, PAD_W: tl.constexpr, FILL: tl.constexpr, LOCAL_COUNTS: tl.constexpr,
     LOCAL_BINS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_begin(PDL)  # nothing is read before the previous kernel completes
     # All three steps in one program, for inputs of one tile (decode): one launch instead of three.
     sorted_ptr = out_ptr
     expert_ids_ptr = out_ptr + expert_off
@@ -488,10 +497,10 @@ def moe_align_block_size(
                         keep_empty=keep_empty)  # fmt: skip
 
 
-_SMALL = LeanLauncher(_align_small_kernel)
-_COUNT = LeanLauncher(_align_count_kernel)
-_SCAN = LeanLauncher(_align_scan_kernel)
-_SCATTER = LeanLauncher(_align_scatter_kernel)
+_SMALL = LeanLauncher(_align_small_kernel, pdl=True)
+_COUNT = LeanLauncher(_align_count_kernel, pdl=True)
+_SCAN = LeanLauncher(_align_scan_kernel, pdl=True)
+_SCATTER = LeanLauncher(_align_scatter_kernel, pdl=True)
 
 
 def launch_align(

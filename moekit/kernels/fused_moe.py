@@ -37,6 +37,7 @@ from moekit.kernels.gemm_args import GatedOutput, RowWindow, check_gemm_args
 from moekit.kernels.gemm_tile import _tile
 from moekit.kernels.host_math import cdiv
 from moekit.kernels.launch import LeanLauncher, sm_count
+from moekit.kernels.pdl import pdl_begin
 from moekit.kernels.persistent_gemm import INTERPRETER_SMS, _persistent_moe_kernel
 from moekit.kernels.tma import tma_descriptor, weight_descriptor
 from moekit.quant import FP8, FP8_GROUP, FP8_MAX, TINY_SCALE
@@ -70,7 +71,9 @@ def _fused_moe_kernel(
     FP8_MAX: tl.constexpr, TINY: tl.constexpr,
     EXPERT_BLOCK: tl.constexpr, READ_BY_POSITION: tl.constexpr, WRITE_BY_POSITION: tl.constexpr,
     TAIL_M: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_begin(PDL)  # nothing is read before the previous kernel completes
     # The layout (moe_align_block_size) is one int32 buffer: sorted pair ids, expert ids, used rows.
     # This call computes its rows from row_base on.
     sorted_ptr = blocks_ptr + row_base
@@ -207,8 +210,8 @@ def fused_moe_gemm(
                        w_scale=w_scale, gated=gated, chunk=chunk)  # fmt: skip
 
 
-_GEMM = LeanLauncher(_fused_moe_kernel)
-_PERSISTENT = LeanLauncher(_persistent_moe_kernel)
+_GEMM = LeanLauncher(_fused_moe_kernel, pdl=True)
+_PERSISTENT = LeanLauncher(_persistent_moe_kernel, pdl=True)
 
 
 def launch_gemm(

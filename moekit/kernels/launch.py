@@ -39,6 +39,7 @@ import torch
 import triton
 
 from moekit.device import interpreting
+from moekit.kernels import pdl
 
 # The calling convention of CompiledKernel.run used below reads the same in the sources of
 # Triton 3.6 (what the H200 runs, where it is tested) and 3.9 (the pin of the CPU suite).
@@ -101,8 +102,9 @@ class _Variant:
 class LeanLauncher:
     """The launches of one ``@triton.jit`` function (see the module docstring)."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, *, pdl: bool = False):
         self.fn = fn
+        self.pdl = pdl  # fn takes a PDL constexpr and starts with pdl_begin(PDL) (moekit.kernels.pdl)
         self._variants: dict = {}
         self._lock = threading.Lock()
         self._direct = lean_supported() and hasattr(fn, "params")  # the interpreter's functions have none
@@ -121,6 +123,9 @@ class LeanLauncher:
                  stream: tuple[int, int] | None = None) -> None:  # fmt: skip
         """Launch ``fn[grid](*args, **constexprs())``; ``args`` are the runtime arguments in order, ``grid``
         has one or two dimensions."""
+        if self.pdl:
+            on = pdl.active(stream[0] if stream is not None else None if interpreting() else torch.cuda.current_device())
+            key, constexprs = (key, on), _with_pdl(constexprs, on)
         variant = self._variants.get(key)
         if variant is None or _RUNTIME.launch_enter_hook.calls:  # a profiler's hook: Triton's own path
             self._plain(grid, args, key, constexprs())
@@ -176,6 +181,10 @@ class LeanLauncher:
         """Forget every kept variant (the next launch of each key binds again)."""
         with self._lock:
             self._variants.clear()
+
+
+def _with_pdl(constexprs: Callable[[], dict], on: bool) -> Callable[[], dict]:
+    return lambda: dict(constexprs(), PDL=on, launch_pdl=True) if on else dict(constexprs(), PDL=False)
 
 
 def _hooked() -> bool:

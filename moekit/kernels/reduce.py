@@ -21,6 +21,7 @@ import triton.language as tl
 from moekit.errors import InvalidInputError
 from moekit.kernels.host_math import cdiv, next_power_of_2
 from moekit.kernels.launch import LeanLauncher, int_spec
+from moekit.kernels.pdl import pdl_begin
 
 
 @triton.jit
@@ -36,7 +37,9 @@ def _weighted_topk_sum_kernel(
     TOPK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_begin(PDL)  # nothing is read before the previous kernel completes
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -72,7 +75,7 @@ def weighted_topk_sum(fused_out: torch.Tensor, topk_weights: torch.Tensor, out: 
     return launch_weighted_topk_sum(fused_out, topk_weights.contiguous(), out)
 
 
-_REDUCE = LeanLauncher(_weighted_topk_sum_kernel)
+_REDUCE = LeanLauncher(_weighted_topk_sum_kernel, pdl=True)
 
 
 def launch_weighted_topk_sum(fused_out: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor, *,
