@@ -49,6 +49,9 @@ def _parse(argv):
     ap.add_argument("--graph-max-M", type=int, default=128)
     ap.add_argument("--calls", type=int, default=400, help="eager calls per timing at M <= 128 (fewer above)")
     ap.add_argument("--clocks", default=None, help="a CSV path for the SM clock log")
+    ap.add_argument("--profile", action="store_true",
+                    help="also per-kernel profiler times with and without PDL (with it, a kernel's time "
+                         "includes its wait for the previous one)")
     ap.add_argument("--gemm2", type=_tile, default=None, metavar="BMxBNxBK:WARPS:STAGES",
                     help="GEMM2's tile instead of the table's (e.g. 16x128x64:4:4)")
     return ap.parse_args(argv)
@@ -111,6 +114,11 @@ def case(shape, M: int, fuse: bool, args) -> list[dict]:
             us = measure.graph_us(fns) if mode == "graph" else measure.back_to_back_us(fns, n)
             timings[(v, mode)].append(us)
     out = []
+    if args.profile:
+        for v in VARIANTS:
+            ph = measure.kernel_phases(calls[v][0], with_pdl=v != "off")  # "off" calls are wrapped already
+            out.append({"M": M, "fuse_activation": fuse, "variant": v, "mode": "profile", "kernels": ph.kernels})
+            print(json.dumps(out[-1]), flush=True)
     for (v, mode), values in timings.items():
         if not values:
             continue

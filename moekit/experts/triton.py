@@ -25,6 +25,7 @@ import torch
 
 from moekit.errors import QuantizationError
 from moekit.experts.base import Experts, carve
+from moekit.kernels import pdl
 from moekit.kernels.activation import launch_silu_and_mul, launch_silu_and_mul_fp8_group
 from moekit.kernels.align import AlignedBlocks, launch_align
 from moekit.kernels.configs import KernelConfig, get_config
@@ -121,6 +122,12 @@ class TritonExperts(Experts):
 
     def apply(self, call: ExpertsCall) -> str:
         """Compute one chunk of tokens into ``call.output``; returns ``"triton"``."""
+        if call.problem.M * call.problem.topk <= pdl.MAX_ROWS:
+            return self._apply(call)
+        with pdl.disabled():  # large chunks: no gain from it, and a few percent lost (moekit.kernels.pdl)
+            return self._apply(call)
+
+    def _apply(self, call: ExpertsCall) -> str:
         problem, shapes, w, stream = call.problem, call.shapes, call.weights, call.stream
         M, N, topk = problem.M, problem.N, problem.topk
         ws13 = carve(call.workspace13, shapes.workspace13)
@@ -157,6 +164,12 @@ class TritonExperts(Experts):
     def apply_rows(self, call: ExpertsCall) -> str:
         """One chunk of the batch's sorted rows: GEMM1 gathers its tokens and writes the chunk's
         workspace by position, GEMM2 reads it by position and writes each pair's output row."""
+        if call.chunk.size <= pdl.MAX_ROWS:
+            return self._apply_rows(call)
+        with pdl.disabled():
+            return self._apply_rows(call)
+
+    def _apply_rows(self, call: ExpertsCall) -> str:
         p, w, chunk, stream = call.problem, call.weights, call.chunk, call.stream
         layout = chunk.layout
         R, N, H = chunk.size, p.N, p.N // 2

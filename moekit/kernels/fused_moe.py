@@ -211,7 +211,7 @@ def fused_moe_gemm(
 
 
 _GEMM = LeanLauncher(_fused_moe_kernel, pdl=True)
-_PERSISTENT = LeanLauncher(_persistent_moe_kernel, pdl=True)
+_PERSISTENT = LeanLauncher(_persistent_moe_kernel)  # no PDL: it ran slower with it (moekit.kernels.pdl)
 
 
 def launch_gemm(

@@ -14,14 +14,21 @@ moekit's rule, one line at the top of every kernel launched this way::
 
 Nothing touches global memory before the wait, so each kernel's loads and stores still happen
 after the previous kernel's have all finished, exactly as without the attribute: only the
-launch and the programs' start overlap the previous kernel's tail. A kernel that does not call
-``launch_dependents`` (a torch kernel, say) triggers when it completes, so mixing them is safe.
-Under a CUDA graph the attribute is captured as a programmatic edge.
+launch and the programs' start overlap the previous kernel's tail.
 
-Tried and dropped (H200, 2026-12-02, ``benchmarks/gpu_pdl.py``): GEMM2 prefetching its weight rows
-into L2 before its wait (inline ``prefetch.global.L2::evict_last``, aimed by the layout that align
-wrote two kernels earlier) made the layer slower, not faster: Qwen3 M=1 28.3 -> 33.2 us and M=128
-297 -> 349 us as CUDA graphs. The prefetches compete with the weight streams in flight.
+The persistent GEMM (``moekit.kernels.persistent_gemm``, the large-M tiles) is launched without it.
+With it, that kernel alone ran 7-11% slower in the profiler (Qwen3 M=16384 with the fused
+activation, 2.00-2.03 -> 2.17-2.24 ms) whether it let the next kernel launch at its start or only at
+its exit, and the layer with the fused activation up to 7% slower at M = 4096-32768; launched plainly, the layer was back within
+1% of no PDL at all (``benchmarks/gpu_pdl.py``, H200, 2026-12-02). The kernels after it still carry
+the attribute: a kernel that never triggers lets the next one launch when it exits.
+
+``TritonExperts`` uses it for chunks of up to :data:`MAX_ROWS` (token, slot) rows. Same-run A/B on
+the H200 (Qwen3-30B-A3B bf16, 2026-12-02, five rounds each): as CUDA graphs M=1 31.0 -> 27.5 us
+(28.0 with the fused activation, from 29.1), M=8 135.5 -> 132.7, M=128 305.3 -> 301.8 (301.7 ->
+297.6 fused); eager M=128 360.8 -> 348.8 and M=4096 845 -> 814 us. Above that the kernels are long
+and the board runs at its power cap: M=16384 was level and M=32768 2-4% slower in three runs out
+of three, so larger chunks launch without it.
 
 On by default where it exists (a CUDA GPU of compute capability 9.0 or more, not the
 interpreter); ``MOEKIT_PDL=0`` turns it off for the process, :func:`disabled` for a block (an
@@ -50,6 +57,7 @@ except ImportError:  # pragma: no cover - an older Triton: never on
     _HAS_GDC = False
 
 _OFF = contextvars.ContextVar("moekit_pdl_off", default=False)
+MAX_ROWS = 32768  # TritonExperts: chunks of more (token, slot) rows launch without it (Qwen3 M=4096 has 32768)
 
 
 @functools.cache
@@ -83,4 +91,5 @@ def pdl_begin(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-__all__ = ["active", "disabled", "pdl_begin", "supported"]
+
+__all__ = ["MAX_ROWS", "active", "disabled", "pdl_begin", "supported"]

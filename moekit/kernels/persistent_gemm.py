@@ -27,7 +27,6 @@ import triton
 import triton.language as tl
 
 from moekit.kernels.gemm_tile import _tile
-from moekit.kernels.pdl import pdl_begin
 
 INTERPRETER_SMS = 3  # programs of a persistent launch under the interpreter: each walks several tiles
 
@@ -49,9 +48,7 @@ def _persistent_moe_kernel(
     FP8_MAX: tl.constexpr, TINY: tl.constexpr,
     EXPERT_BLOCK: tl.constexpr, READ_BY_POSITION: tl.constexpr, WRITE_BY_POSITION: tl.constexpr,
     NUM_SMS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
-    pdl_begin(PDL)  # nothing is read before the previous kernel completes
     sorted_ptr = blocks_ptr + row_base
     expert_ids_ptr = blocks_ptr + expert_off + row_base // EXPERT_BLOCK
     post = tl.load(blocks_ptr + post_off)
