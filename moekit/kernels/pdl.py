@@ -18,10 +18,11 @@ launch and the programs' start overlap the previous kernel's tail.
 
 The persistent GEMM (``moekit.kernels.persistent_gemm``, the large-M tiles) is launched without it.
 With it, that kernel alone ran 7-11% slower in the profiler (Qwen3 M=16384 with the fused
-activation, 2.00-2.03 -> 2.17-2.24 ms) whether it let the next kernel launch at its start or only at
-its exit, and the layer with the fused activation up to 7% slower at M = 4096-32768; launched plainly, the layer was back within
-1% of no PDL at all (``benchmarks/gpu_pdl.py``, H200, 2026-12-02). The kernels after it still carry
-the attribute: a kernel that never triggers lets the next one launch when it exits.
+activation, 2.00-2.03 -> 2.17-2.24 ms) whether it let the next kernel launch at its start or only
+at its exit, and the layer with the fused activation up to 7% slower at M = 4096-32768; launched
+plainly, the layer was back within 1% of no PDL at all (``benchmarks/gpu_pdl.py``, H200,
+2026-12-02). The kernels after it still carry the attribute: a kernel that never triggers lets the
+next one launch when it exits.
 
 ``TritonExperts`` uses it for chunks of up to :data:`MAX_ROWS` (token, slot) rows. Same-run A/B on
 the H200 (Qwen3-30B-A3B bf16, 2026-12-02, five rounds each): as CUDA graphs M=1 31.0 -> 27.5 us
