@@ -4,6 +4,10 @@ Starts ``jupyter lab`` on a free loopback port with a random token and fresh con
 dirs, on a temporary copy of the notebooks; drives it with Playwright's Python API and the
 system chromium (never ``playwright install``); saves screenshots under build/test-browser/;
 stops the server by its PID. Skipped, with the reason, when chromium or playwright is missing.
+
+The copies of notebooks 02 and 03 get smaller parameters, injected as papermill injects them (a
+cell tagged ``injected-parameters`` after the ``parameters`` cell): these tests are about the UI,
+and ``tests/test_notebooks.py`` runs every notebook at its defaults already.
 """
 
 from __future__ import annotations
@@ -40,6 +44,12 @@ CHROMIUM_ARGS = [
 EXPLORER = "03_per_chunk_expert_assignment.ipynb"
 CRASH = "02_workspace_shape_crash.ipynb"
 WORKBOOK = "10_workbook.ipynb"
+# What the UI tests run the notebooks at. 03: its three forwards at the defaults (M=256 tokens, E=32)
+# took most of the explorer test's 80 s; here four chunks of C=16 per router, and the slider halves C.
+# 02: M=130 in chunks of 128 is the smallest batch whose pre-fix run crashes (chunk 0 takes
+# DeepGEMM's layout, chunk 1 Triton's), so it keeps them; one slot per token halves the rows.
+EXPLORER_PARAMETERS = dict(M=64, C=16, E=8)
+CRASH_PARAMETERS = dict(topk=1, E=4)
 RUN_ALL_TIMEOUT_MS = 240_000
 VISIBLE = ".jp-NotebookPanel:not(.lm-mod-hidden)"  # the notebook on screen
 
@@ -69,14 +79,28 @@ def _wait_http(url: str, proc: subprocess.Popen, log: Path, timeout: float = 90.
     raise TimeoutError(f"jupyter lab did not answer {url} within {timeout:.0f} s:\n{log.read_text()[-3000:]}")
 
 
+def _inject_parameters(path: Path, parameters: dict) -> None:
+    """Rewrite the notebook at ``path`` with ``parameters`` injected after its ``parameters`` cell."""
+    import nbformat
+    from papermill.iorw import load_notebook_node
+    from papermill.parameterize import parameterize_notebook
+
+    nb = load_notebook_node(str(path))  # what papermill reads: every cell's tags filled in
+    assert any("parameters" in c.metadata.tags for c in nb.cells), f"{path.name}: no parameters cell"
+    nbformat.write(parameterize_notebook(nb, parameters), str(path))
+
+
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     """A running JupyterLab on a copy of the notebooks; yields (base_url, token)."""
     pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
     pytest.importorskip("jupyterlab", reason="jupyterlab is not installed")
+    pytest.importorskip("papermill", reason="papermill is not installed")
     tmp = tmp_path_factory.mktemp("lab")
     root = tmp / "notebooks"
     shutil.copytree(NOTEBOOKS_DIR, root, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
+    _inject_parameters(root / EXPLORER, EXPLORER_PARAMETERS)
+    _inject_parameters(root / CRASH, CRASH_PARAMETERS)
     env = dict(os.environ)
     for var in ("JUPYTER_CONFIG_DIR", "JUPYTER_DATA_DIR", "JUPYTER_RUNTIME_DIR", "IPYTHONDIR"):
         env[var] = str(tmp / var.lower())
@@ -175,6 +199,9 @@ def test_explorer_slider_redraws_the_plot(browser, lab):
         before = plot.get_attribute("src")
         summary = page.locator(".widget-html").first
         c_before = int(re.search(r"C=(\d+)", summary.inner_text()).group(1))
+        # The explorer starts at the injected parameters (so the smaller run is the one tested).
+        assert f"M={EXPLORER_PARAMETERS['M']} tokens" in summary.inner_text()
+        assert c_before == EXPLORER_PARAMETERS["C"]
         slider = page.locator(".widget-hslider", has_text="C chunk").locator(".noUi-handle")
         slider.focus()
         page.keyboard.press("ArrowLeft")  # one chunk size down: C halves
@@ -196,6 +223,7 @@ def test_crash_notebook_shows_errors_and_checks(browser, lab):
     try:
         _run_all(page, "02_after_run_all.png")
         text = page.locator(f"{VISIBLE} .jp-Notebook").inner_text()
+        assert all(f"{k} = {v!r}" in text for k, v in CRASH_PARAMETERS.items()), "no injected parameters cell"
         assert "all checks passed" in text, "the final check cell did not print"
         raw = "the raw torch error (as the parent commit's code raises it) is not shown"
         assert "IndexError: Dimension out of range" in text, raw
