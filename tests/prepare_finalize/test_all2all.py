@@ -1,7 +1,8 @@
 """All2AllPrepareFinalize on gloo ranks (CPU).
 
-Spawning ranks is slow on 2 cores, so each test launches once per world size and every rank
-loops over many cases. Two levels:
+Spawning ranks is slow on 2 cores, so each world size launches once for both levels below, every
+rank looping over many cases (the ``launched`` fixture of conftest.py hands each test its part).
+Two levels:
 
 - the stage alone, with "identity experts" (each received row comes back unchanged), so the
   result is exact and independent of the kernels: ``output[m] = sum_j w[m, j] * x[m]`` over the
@@ -17,6 +18,7 @@ import itertools
 import pytest
 import torch
 
+import moekit
 from moekit.distributed import launch
 from moekit.ep import EPConfig, run_cases
 from moekit.errors import DistributedError, InvalidIdsError, InvalidInputError
@@ -95,9 +97,39 @@ def _stage_matrix(world):
     return [(Ms, E, topk, q, i % 3) for i, (Ms, E, topk, q) in enumerate(grid)]
 
 
+def in_step(rank: int, name: str, part, *args):
+    """``part(rank, *args)`` after a barrier (each part of a shared launch starts with the ranks in
+    step, as in a fresh one); a failure names the rank and the part."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    try:
+        return part(rank, *args)
+    except Exception as e:
+        e.add_note(f"(rank {rank}, {name})")
+        raise
+
+
+def both_levels(rank: int, world: int, stage_matrix: list[tuple], kernel_cases: list | None) -> tuple:
+    """Rank function: the stage's cases, then (unless None) the whole kernel's, in one process group."""
+    stage = in_step(rank, "stage cases", stage_cases, world, stage_matrix)
+    kernel = None if kernel_cases is None else in_step(rank, "kernel cases", run_cases, world, kernel_cases)
+    return stage, kernel
+
+
+def _levels(launched, world: int) -> list[tuple]:
+    """Per rank, (the stage's problems, the kernel cases' results or None), from one launch per world.
+    The kernel cases join where the `interpreter` tests run (a CPU device); elsewhere the stage's test
+    launches the stage alone."""
+    with_kernel = moekit.device.get_device().type == "cpu"
+    cases = _mk_matrix(world) if with_kernel else None
+    return launched((__name__, "levels", world, with_kernel), lambda: launch(both_levels, world, backend="gloo",
+                    args=(_stage_matrix(world), cases), timeout_s=3 * TIMEOUT))  # fmt: skip
+
+
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_stage_dispatch_and_combine_exact(world):
-    results = launch(stage_cases, world, backend="gloo", args=(_stage_matrix(world),), timeout_s=TIMEOUT)
+def test_stage_dispatch_and_combine_exact(world, launched):
+    results = [stage for stage, _ in _levels(launched, world)]
     assert results == [[]] * world, "\n".join(p for r in results for p in r)
 
 
@@ -124,10 +156,10 @@ def _mk_matrix(world):
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_modular_kernel_matches_reference_on_every_rank(world):
+def test_modular_kernel_matches_reference_on_every_rank(world, launched):
     cases = _mk_matrix(world)
     crossed = False
-    per_rank = launch(run_cases, world, backend="gloo", args=(cases,), timeout_s=3 * TIMEOUT)
+    per_rank = [kernel for _, kernel in _levels(launched, world)]
     for rank, results in enumerate(per_rank):
         for case, r in zip(cases, results, strict=True):
             assert r.error is None and r.close, f"rank {rank} {case}: {r.error or r.max_abs_err}"
@@ -187,8 +219,20 @@ def bad_inputs(rank: int, world: int) -> list[str]:
     return caught
 
 
-def test_bad_inputs_raise_named_errors():
-    results = launch(bad_inputs, 2, backend="gloo", timeout_s=TIMEOUT)
+def two_rank_checks(rank: int, world: int) -> dict[str, list[str]]:
+    """Rank function: :func:`bad_inputs`, then :func:`disagreeing_ranks`, in one process group."""
+    return {part.__name__: in_step(rank, part.__name__, part, world) for part in (bad_inputs, disagreeing_ranks)}
+
+
+def _two_rank_checks(launched, name: str) -> list[list[str]]:
+    """Per rank, what the check ``name`` returned; one launch serves both tests."""
+    runs = launched((__name__, "two-rank checks"), lambda: launch(two_rank_checks, 2, backend="gloo",
+                    timeout_s=TIMEOUT))  # fmt: skip
+    return [by_name[name] for by_name in runs]
+
+
+def test_bad_inputs_raise_named_errors(launched):
+    results = _two_rank_checks(launched, "bad_inputs")
     assert results[0] == results[1] == [
         "no map: InvalidInputError",
         "two owners: InvalidInputError owners",
@@ -221,9 +265,9 @@ def disagreeing_ranks(rank: int, world: int) -> list[str]:
     return caught
 
 
-def test_ranks_that_disagree_all_raise_a_named_error():
+def test_ranks_that_disagree_all_raise_a_named_error(launched):
     # Before: fp16 on one rank and bf16 on another computed garbage; K=32 vs 64 aborted gloo.
-    results = launch(disagreeing_ranks, 2, backend="gloo", timeout_s=TIMEOUT)
+    results = _two_rank_checks(launched, "disagreeing_ranks")
     assert results[0] == results[1] == ["dtype: True True", "K: True True", "E: True True"], results
 
 
@@ -244,9 +288,22 @@ def test_needs_a_process_group():
                    quant=QuantScheme.NONE, placement=ExpertPlacement(2, 2, None))
 
 
+def three_rank_layers(rank: int, world: int) -> dict[str, list]:
+    """Rank function: :func:`uneven_placement` (8 experts), then :func:`mixed_id_dtypes`, in one group."""
+    return {"uneven_placement": in_step(rank, "uneven_placement", uneven_placement, world, 8),
+            "mixed_id_dtypes": in_step(rank, "mixed_id_dtypes", mixed_id_dtypes, world)}  # fmt: skip
+
+
+def _three_rank_layers(launched, name: str) -> list[list]:
+    """Per rank, what ``name`` returned; one launch serves both tests."""
+    runs = launched((__name__, "three-rank layers"), lambda: launch(three_rank_layers, 3, backend="gloo",
+                    timeout_s=TIMEOUT))  # fmt: skip
+    return [by_name[name] for by_name in runs]
+
+
 @pytest.mark.interpreter
-def test_uneven_expert_placement_over_three_ranks():
-    results = launch(uneven_placement, 3, backend="gloo", args=(8,), timeout_s=TIMEOUT)
+def test_uneven_expert_placement_over_three_ranks(launched):
+    results = _three_rank_layers(launched, "uneven_placement")
     assert [len(meta) for _, _, meta in results] == [3, 3, 2]
     assert all(err is None and close for err, close, _ in results), results
 
@@ -302,12 +359,20 @@ STAGES = {"exact": ({}, False), "capacity, first call": (dict(mode="capacity", m
           "capacity deferred, agreed": (dict(mode="capacity", max_tokens_per_rank=4, check="deferred"), True)}
 
 
+def one_bad_rank_every_stage(rank: int, world: int, bad_rank: int) -> dict[str, list[tuple]]:
+    """Rank function: :func:`one_bad_rank` for each of STAGES in turn, in one process group (a new
+    stage and kernel each time)."""
+    return {name: in_step(rank, f"stage {name!r}", one_bad_rank, world, bad_rank, stage, warm)
+            for name, (stage, warm) in STAGES.items()}  # fmt: skip
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("stage", list(STAGES))
 @pytest.mark.parametrize("world, bad_rank", [(2, 1), (3, 0)])
-def test_one_bad_rank_makes_every_rank_raise_within_timeout(world, bad_rank, stage):
-    kwargs, warm = STAGES[stage]
-    per_rank = launch(one_bad_rank, world, backend="gloo", args=(bad_rank, kwargs, warm), timeout_s=TIMEOUT)
+def test_one_bad_rank_makes_every_rank_raise_within_timeout(world, bad_rank, stage, launched):
+    runs = launched((__name__, "one bad rank", world, bad_rank), lambda: launch(one_bad_rank_every_stage, world,
+                    backend="gloo", args=(bad_rank,), timeout_s=2 * TIMEOUT))  # fmt: skip
+    per_rank = [by_stage[stage] for by_stage in runs]  # one launch per world, all four stages
     for rank, got in enumerate(per_rank):
         for what, name, names_rank, seconds in got:
             want = BAD[what][0]
@@ -335,10 +400,10 @@ def mixed_id_dtypes(rank: int, world: int) -> list[str]:
 
 
 @pytest.mark.interpreter
-def test_ranks_may_pass_ids_of_different_dtypes():
+def test_ranks_may_pass_ids_of_different_dtypes(launched):
     # Before: an int32 sender and an int64 receiver gave a wrong answer, the other way gloo aborted,
     # and int16 ids failed every forward.
-    results = launch(mixed_id_dtypes, 3, backend="gloo", timeout_s=TIMEOUT)
+    results = _three_rank_layers(launched, "mixed_id_dtypes")
     assert results == [["exact: True", "capacity: True"]] * 3, results
 
 

@@ -4,6 +4,9 @@ The stage alone with identity experts (exact results), the whole modular kernel 
 one-process reference at world 1 to 4 (uneven M with zeros, E not divisible by the world,
 topk 1/2/8, token and row chunks, Triton and TritonOrDeepGemm), the errors that travel as flags,
 and a check that after the first call the stage reads nothing back from the tensors it moves.
+Spawning ranks costs more than most cases do, so tests whose cases can share a process group share
+one launch (the ``launched`` fixture of conftest.py): the stage and the whole kernel once per world,
+the three two-rank checks once.
 """
 
 from __future__ import annotations
@@ -66,10 +69,36 @@ def stage_cases(rank: int, world: int) -> list[str]:
     return problems
 
 
+def in_step(rank: int, name: str, part, *args):
+    """``part(rank, *args)`` after a barrier (each part of a shared launch starts with the ranks in
+    step, as in a fresh one); a failure names the rank and the part."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    try:
+        return part(rank, *args)
+    except Exception as e:
+        e.add_note(f"(rank {rank}, {name})")
+        raise
+
+
+def both_levels(rank: int, world: int, kernel_cases: list) -> tuple:
+    """Rank function: the stage's cases, then the whole kernel's, in one process group."""
+    return (in_step(rank, "stage cases", stage_cases, world),
+            in_step(rank, "kernel cases", run_cases, world, kernel_cases))  # fmt: skip
+
+
+def _levels(launched, world: int) -> list[tuple]:
+    """Per rank, (the stage's problems, the kernel cases' results), from one launch per world (both
+    tests are `interpreter` tests: they run, or skip, together)."""
+    return launched((__name__, "levels", world), lambda: launch(both_levels, world, backend="gloo",
+                    args=(_mk_cases(world),), timeout_s=3 * TIMEOUT))  # fmt: skip
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_stage_dispatch_and_combine(world):
-    results = launch(stage_cases, world, backend="gloo", timeout_s=TIMEOUT)
+def test_stage_dispatch_and_combine(world, launched):
+    results = [stage for stage, _ in _levels(launched, world)]
     assert results == [[]] * world, "\n".join(p for r in results for p in r)
 
 
@@ -86,9 +115,9 @@ def _mk_cases(world):
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_modular_kernel_matches_reference_on_every_rank(world):
+def test_modular_kernel_matches_reference_on_every_rank(world, launched):
     cases = _mk_cases(world)
-    per_rank = launch(run_cases, world, backend="gloo", args=(cases,), timeout_s=3 * TIMEOUT)
+    per_rank = [kernel for _, kernel in _levels(launched, world)]
     for rank, results in enumerate(per_rank):
         for case, r in zip(cases, results, strict=True):
             assert r.error is None and r.close, f"rank {rank} {case}: {r.error or r.max_abs_err}"
@@ -142,9 +171,23 @@ def errors(rank: int, world: int) -> list[str]:
     return got
 
 
+def two_rank_checks(rank: int, world: int) -> dict[str, list[str]]:
+    """Rank function: :func:`errors`, :func:`reads_nothing_back` and :func:`stages_built_differently`
+    in turn, in one process group (each builds its own stages)."""
+    return {part.__name__: in_step(rank, part.__name__, part, world)
+            for part in (errors, reads_nothing_back, stages_built_differently)}  # fmt: skip
+
+
+def _two_rank_checks(launched, name: str) -> list[list[str]]:
+    """Per rank, what the check ``name`` returned; one launch serves the three tests."""
+    runs = launched((__name__, "two-rank checks"), lambda: launch(two_rank_checks, 2, backend="gloo",
+                    timeout_s=TIMEOUT))  # fmt: skip
+    return [by_name[name] for by_name in runs]
+
+
 @pytest.mark.interpreter
-def test_errors_travel_as_flags_and_every_rank_raises():
-    r0, r1 = launch(errors, 2, backend="gloo", timeout_s=TIMEOUT)
+def test_errors_travel_as_flags_and_every_rank_raises(launched):
+    r0, r1 = _two_rank_checks(launched, "errors")
     common = ["sync: CapacityError True", "C + 1: CapacityError True", "ids: InvalidIdsError True",
               "id == E: InvalidIdsError True", "then ok: True"]  # fmt: skip
     assert r0 == [*common, "finalize: ok", "raise_if_failed: CapacityError"]
@@ -179,8 +222,8 @@ def reads_nothing_back(rank: int, world: int) -> list[str]:
 
 
 @pytest.mark.interpreter
-def test_after_the_first_call_nothing_is_read_back():
-    results = launch(reads_nothing_back, 2, backend="gloo", timeout_s=TIMEOUT)
+def test_after_the_first_call_nothing_is_read_back(launched):
+    results = _two_rank_checks(launched, "reads_nothing_back")
     assert results == [["reads: []", "close: True"]] * 2, results
 
 
@@ -204,10 +247,10 @@ def stages_built_differently(rank: int, world: int) -> list[str]:
 
 
 @pytest.mark.interpreter
-def test_stages_built_differently_raise_on_every_rank():
+def test_stages_built_differently_raise_on_every_rank(launched):
     # Before: exact mode on one rank and capacity on the other was not detected (and the
     # capacity check mode not at all): mismatched collectives, gloo aborting or a hang.
-    results = launch(stages_built_differently, 2, backend="gloo", timeout_s=TIMEOUT)
+    results = _two_rank_checks(launched, "stages_built_differently")
     assert results == [["mode: True the ranks disagree about the MoE layer's dispatch mode",
                         "capacity: True the ranks disagree about the MoE layer's max_tokens_per_rank",
                         "check: True the ranks disagree about the MoE layer's capacity check", "then: 8"]] * 2, results
