@@ -19,7 +19,6 @@ import argparse
 import dataclasses
 import json
 import os
-import random
 import statistics
 import sys
 from pathlib import Path
@@ -60,12 +59,7 @@ def sweep(sets, candidates: dict, rounds: int) -> dict:
             base = out
         assert_close(out, base, dtype=torch.bfloat16)
         calls[name] = fns
-    times = {name: [] for name in calls}
-    order = list(calls)
-    for r in range(rounds):
-        random.Random(r).shuffle(order)
-        for name in order:
-            times[name].append(measure.graph_us(calls[name]))
+    times = measure.shuffled_rounds(calls, rounds)
     return {name: statistics.median(v) for name, v in times.items()}
 
 

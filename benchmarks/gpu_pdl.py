@@ -2,20 +2,25 @@
 """The layer with and without programmatic dependent launch (``moekit.kernels.pdl``), in one process.
 
     python3 benchmarks/gpu_pdl.py [--shape qwen3_30b_a3b] [--M 1 8 128 1024 4096] [--rounds 5]
+    python3 benchmarks/gpu_pdl.py --compare steps    # the align/reduce launch shapes, new / old
 
 For each M and both ``TritonExperts`` pipelines (``fuse_activation`` off and on), bf16, uniform
-routing, with and without PDL: the two outputs are compared bit for bit, and against
+routing, with and without PDL (``--compare steps``: with the align's one-launch path for up to
+``MEDIUM_MAX`` pairs and the weighted sum's grid of at least ``MIN_PROGRAMS`` programs, and with
+both as they were before: three align launches past one tile, the sum's fixed tile): the two
+outputs are compared bit for bit, and against
 ``moekit.reference`` (first 64 tokens), before anything is timed. Then, per round and in a
 shuffled order, each variant is timed as a CUDA graph over 8 input sets (M <= ``--graph-max-M``;
 ``benchmarks.harness.measure.graph_us``, the harness's graph mode) and eagerly, ``calls``
 back-to-back plain calls cycling over the sets with one synchronize (what a user's loop gets;
 no L2 flush, as in ``benchmarks/gpu_eager.py``). Medians over the rounds; ``spread`` = (max - min)
-/ median. The SM clock is logged beside (``--clocks``). Writes ``$OUT/gpu_pdl.json`` when OUT is set.
+/ median. The SM clock is logged beside (``--clocks``). Writes ``$OUT/gpu_<compare>.json`` when OUT is set.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -31,7 +36,7 @@ import torch
 
 from benchmarks.harness import common, measure
 from moekit.experts import TritonExperts
-from moekit.kernels import pdl
+from moekit.kernels import align, pdl, reduce
 from moekit.kernels.configs import KernelConfig
 from moekit.modular_kernel import ModularKernel
 from moekit.prepare_finalize import NoEPPrepareFinalize
@@ -44,6 +49,7 @@ SETS = 8
 def _parse(argv):
     ap = argparse.ArgumentParser(prog="python3 benchmarks/gpu_pdl.py", description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="qwen3_30b_a3b", choices=sorted(SHAPES))
+    ap.add_argument("--compare", default="pdl", choices=sorted(COMPARISONS))
     ap.add_argument("--M", type=int, nargs="+", default=[1, 8, 128, 1024, 4096])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--graph-max-M", type=int, default=128)
@@ -75,37 +81,49 @@ class _Gemm2Tile(TritonExperts):
         return cfg1, self._gemm2 or cfg2
 
 
-VARIANTS = ("pdl", "off")
+@contextlib.contextmanager
+def _old_steps():
+    """The align and the weighted sum launched as before 2026-12-02's change (module limits)."""
+    saved = align.MEDIUM_MAX, reduce.MIN_PROGRAMS
+    align.MEDIUM_MAX, reduce.MIN_PROGRAMS = align.TILE, 0
+    try:
+        yield
+    finally:
+        align.MEDIUM_MAX, reduce.MIN_PROGRAMS = saved
 
 
-def _variant(fn, name: str):
-    if name == "pdl":
-        return fn
-
+# Per comparison: the variants' names (the first is the default path) and how to enter each.
+COMPARISONS = {
+    "pdl": {"pdl": contextlib.nullcontext, "off": pdl.disabled},
+    "steps": {"new": contextlib.nullcontext, "old": _old_steps},
+}
+def _variant(fn, enter):
     def call():
-        with pdl.disabled():
+        with enter():
             return fn()
 
     return call
 
 
 def case(shape, M: int, fuse: bool, args) -> list[dict]:
+    variants = COMPARISONS[args.compare]
+    names = tuple(variants)
     problems = [make_problem(M, E=shape.E, topk=shape.topk, K=shape.K, N=2 * shape.I, device="cuda", seed=s)
                 for s in range(SETS)]  # fmt: skip
     w1, w2 = problems[0].w1, problems[0].w2  # one layer's weights, 8 token sets
     kernel = ModularKernel(NoEPPrepareFinalize(), _Gemm2Tile(args.gemm2, fuse_activation=fuse), trace_counts=False)
-    calls = {v: [_variant(lambda p=p: kernel(p.hidden, w1, w2, p.topk_weights, p.topk_ids), v) for p in problems]
-             for v in VARIANTS}  # fmt: skip
-    outs = {v: calls[v][0]().clone() for v in VARIANTS}
-    for v in VARIANTS[1:]:
-        torch.testing.assert_close(outs[v], outs[VARIANTS[0]], rtol=0, atol=0)
+    calls = {v: [_variant(lambda p=p: kernel(p.hidden, w1, w2, p.topk_weights, p.topk_ids), enter) for p in problems]
+             for v, enter in variants.items()}  # fmt: skip
+    outs = {v: calls[v][0]().clone() for v in names}
+    for v in names[1:]:
+        torch.testing.assert_close(outs[v], outs[names[0]], rtol=0, atol=0)
     p0 = problems[0]
     rows = slice(0, min(M, 64))
     ref = moekit.reference.moe_reference(p0.hidden[rows].float(), w1.float(), w2.float(), p0.topk_weights[rows],
                                          p0.topk_ids[rows])  # fmt: skip
-    assert_close(outs[VARIANTS[0]][rows], ref, dtype=torch.bfloat16)
+    assert_close(outs[names[0]][rows], ref, dtype=torch.bfloat16)
     n = args.calls if M <= 128 else max(40, args.calls // (M // 128))
-    timings = {(v, mode): [] for v in VARIANTS for mode in ("graph", "eager")}
+    timings = {(v, mode): [] for v in names for mode in ("graph", "eager")}
     order = [(v, mode) for v, mode in timings if mode == "eager" or M <= args.graph_max_M]
     for r in range(args.rounds):
         random.Random(r).shuffle(order)
@@ -115,8 +133,10 @@ def case(shape, M: int, fuse: bool, args) -> list[dict]:
             timings[(v, mode)].append(us)
     out = []
     if args.profile:
-        for v in VARIANTS:
-            ph = measure.kernel_phases(calls[v][0], with_pdl=v != "off")  # "off" calls are wrapped already
+        for v in names:
+            # PDL's own A/B profiles its "pdl" side with it (the "off" calls are wrapped already);
+            # other comparisons profile without it, so that a kernel's time holds no wait.
+            ph = measure.kernel_phases(calls[v][0], with_pdl=args.compare == "pdl" and v == "pdl")
             out.append({"M": M, "fuse_activation": fuse, "variant": v, "mode": "profile", "kernels": ph.kernels})
             print(json.dumps(out[-1]), flush=True)
     for (v, mode), values in timings.items():
@@ -133,7 +153,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available() or moekit.device.interpreting():
         print("gpu_pdl: needs a CUDA GPU")
         return 0
-    if not pdl.supported(torch.cuda.current_device()):
+    if args.compare == "pdl" and not pdl.supported(torch.cuda.current_device()):
         print(f"gpu_pdl: programmatic dependent launch is off here ({torch.cuda.get_device_name()})")
         return 0
     shape = SHAPES[args.shape]
@@ -144,18 +164,20 @@ def main(argv=None) -> int:
                 for row in case(shape, M, fuse, args):
                     rows.append(row)
                     print(json.dumps({k: v for k, v in row.items() if k != "us_rounds"}), flush=True)
-    print(f"\n{args.shape} bf16, {torch.cuda.get_device_name()}: median us ({' / '.join(VARIANTS)})")
+    names = tuple(COMPARISONS[args.compare])
+    print(f"\n{args.shape} bf16, {torch.cuda.get_device_name()}: median us ({' / '.join(names)})")
     for M in args.M:
         for fuse in (False, True):
             for mode in ("graph", "eager"):
                 got = {r["variant"]: r["us"] for r in rows if r["M"] == M and r["fuse_activation"] == fuse
                        and r["mode"] == mode}  # fmt: skip
-                if len(got) == len(VARIANTS):
-                    cells = " / ".join(f"{got[v]:8.1f}" for v in VARIANTS)
-                    print(f"  M={M:5d} fused={fuse!s:5} {mode:5}: {cells}  ({got[VARIANTS[0]] / got['off']:.3f}x off)")
+                if len(got) == len(names):
+                    cells = " / ".join(f"{got[v]:8.1f}" for v in names)
+                    ratio = got[names[0]] / got[names[1]]
+                    print(f"  M={M:5d} fused={fuse!s:5} {mode:5}: {cells}  ({ratio:.3f}x {names[1]})")
     if os.environ.get("OUT"):
         env = common.environment()
-        path = Path(os.environ["OUT"]) / "gpu_pdl.json"
+        path = Path(os.environ["OUT"]) / f"gpu_{args.compare}.json"
         given = {k: str(v) if isinstance(v, KernelConfig) else v for k, v in vars(args).items()}
         payload = {"args": given, "environment": dataclasses.asdict(env), "rows": rows}
         path.write_text(json.dumps(payload, indent=1))

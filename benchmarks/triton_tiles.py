@@ -76,8 +76,8 @@ def compile_only(threads: int):
     import triton
 
     kernels = [(gemm_mod, "_fused_moe_kernel")] + [
-        (align_mod, n) for n in ("_align_small_kernel", "_align_count_kernel", "_align_scan_kernel",
-                                 "_align_scatter_kernel")
+        (align_mod, n) for n in ("_align_small_kernel", "_align_medium_kernel", "_align_count_kernel",
+                                 "_align_scan_kernel", "_align_scatter_kernel")
     ]  # fmt: skip
     saved = [(mod, name, getattr(mod, name)) for mod, name in kernels]
 

@@ -6,6 +6,7 @@
 - :func:`back_to_back_us`: plain calls in a loop, one synchronize (a user's eager loop);
 - :func:`graph_us`: one CUDA graph replaying the call over several input sets in turn (so the
   same experts' weights are not served from L2 every time), median per call;
+- :func:`shuffled_rounds`: several contenders, each timed once per round in a shuffled order;
 - :func:`host_syncs`: the host syncs one call makes, with the moekit line that made each
   (what stops a CUDA graph capture);
 - :func:`peak_bytes`: ``torch.cuda.max_memory_allocated`` delta of one call;
@@ -122,6 +123,24 @@ def graph_us(calls: list[Callable[[], object]], *, target_ms: float = 20.0, repl
         times.append(start.elapsed_time(end) / (rounds * len(calls)))
     del graph
     return statistics.median(times) * 1e3
+
+
+Calls = list[Callable[[], object]]
+
+
+def shuffled_rounds(calls: dict[str, Calls], rounds: int, *, timer: Callable[[Calls], float] = graph_us
+                    ) -> dict[str, list[float]]:  # fmt: skip
+    """``{name: [us per round]}``: every contender timed once per round by ``timer``, in an order
+    shuffled per round (seeded by the round: the same order on every machine)."""
+    import random
+
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    order = list(calls)
+    for r in range(rounds):
+        random.Random(r).shuffle(order)
+        for name in order:
+            times[name].append(timer(calls[name]))
+    return times
 
 
 def host_syncs(fn: Callable[[], object], *, limit: int = 5) -> list[str]:

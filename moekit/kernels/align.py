@@ -11,8 +11,10 @@ Pairs are sorted into buckets: bucket ``g`` for global expert g when it lives on
 one last bucket ``E`` for pairs whose expert lives elsewhere (its blocks get expert id -1: the
 GEMMs write zeros there). Empty slots are dropped, or kept in bucket E with ``keep_empty``.
 
-Inputs of one tile (``numel <= TILE``, decode) take one launch of one program. Larger inputs
-take three launches, each spread over many programs, and never a host sync:
+Inputs of one tile (``numel <= SMALL_MAX = TILE``, decode) take one launch of one program. Up to
+``MEDIUM_MAX`` pairs take one launch of ``numel / TILE`` programs, each counting all the pairs
+itself (``_align_medium_kernel``: steps 1 and 2 below folded into 3). Larger inputs take three
+launches, each spread over many programs, and never a host sync:
 
 1. ``_align_count_kernel``, one program per tile of ``TILE`` pairs: the tile's histogram,
    stored bucket-major, ``counts[bucket, tile]``.
@@ -52,6 +54,9 @@ from moekit.validate import (
 )
 
 TILE = 128  # pairs per program of the count and scatter kernels; the one-program path's limit
+SMALL_MAX = TILE  # up to this many pairs, one program does everything (at most TILE)
+MEDIUM_MAX = 1024  # up to this many, one launch of numel / TILE programs (count and scan folded in)
+_CHUNK = 1024  # pairs per histogram step of that launch
 _FILL = 1024  # entries per store when filling past the last block
 MAX_BLOCK_M = 1024  # a block's padding is written by one tile of block_m lanes
 
@@ -105,6 +110,16 @@ def _pad(sorted_ptr, first, count, numel, PAD_W: tl.constexpr):
     k = tl.arange(0, PAD_W)
     pos = first[:, None] + k[None, :]
     tl.store(sorted_ptr + pos, numel + tl.zeros_like(pos), mask=k[None, :] < count[:, None])
+
+
+@triton.jit
+def _pad_owned(sorted_ptr, totals, padded, starts, t, nprog, numel, E, OWNED: tl.constexpr, PAD_W: tl.constexpr):
+    """Program t of nprog pads buckets t, t + nprog, ...: rows [start + total, start + padded)."""
+    owned = t + nprog * tl.arange(0, OWNED)
+    ob = tl.minimum(owned, E)
+    ob_total = tl.gather(totals, ob, 0)
+    n_pad = tl.where(owned <= E, tl.gather(padded, ob, 0) - ob_total, 0)
+    _pad(sorted_ptr, tl.gather(starts, ob, 0) + ob_total, n_pad, numel, PAD_W)
 
 
 @triton.jit
@@ -213,14 +228,63 @@ def _align_scatter_kernel(
     pos = tl.load(offsets_ptr + b * num_tiles + t, mask=keep, other=0) + _rank_in_tile(bucket, TILE)
     _place(sorted_ptr, expert_ids_ptr, idx, tl.gather(starts, b, 0) + pos, pos, expert, keep, BLOCK_M)
 
-    # This program's buckets (t, t + nprog, ...): rows [start + total, start + padded) are padding.
-    owned = t + nprog * tl.arange(0, OWNED)
-    ob = tl.minimum(owned, E)
-    ob_total = tl.gather(totals, ob, 0)
-    n_pad = tl.where(owned <= E, tl.gather(padded, ob, 0) - ob_total, 0)
-    _pad(sorted_ptr, tl.gather(starts, ob, 0) + ob_total, n_pad, numel, PAD_W)
+    _pad_owned(sorted_ptr, totals, padded, starts, t, nprog, numel, E, OWNED, PAD_W)
     if t == 0:
         tl.store(post_ptr, post)
+    _fill_tail(sorted_ptr, expert_ids_ptr, post, numel, max_padded, max_blocks, t, nprog, BLOCK_M, FILL)
+
+
+@triton.jit(do_not_specialize=_SIZES)
+def _align_medium_kernel(
+    # Pointers
+    ids_ptr, map_ptr, out_ptr,
+    # Sizes
+    numel, E, num_local, max_padded, max_blocks, expert_off, post_off, local_off,
+    # Meta-parameters
+    BLOCK_M: tl.constexpr, HAS_MAP: tl.constexpr, KEEP_EMPTY: tl.constexpr, NUM_BINS: tl.constexpr,
+    TILE: tl.constexpr, CHUNK: tl.constexpr, OWNED: tl.constexpr, PAD_W: tl.constexpr, FILL: tl.constexpr,
+    LOCAL_COUNTS: tl.constexpr, LOCAL_BINS: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    pdl_begin(PDL)  # nothing is read before the previous kernel completes
+    # The count and the scan folded into the scatter, for a few thousand pairs: every program
+    # histograms all of them itself (the totals) and those before its tile (its offsets), so
+    # one launch replaces three; the ids are re-read from L2, numel / TILE times in all.
+    sorted_ptr = out_ptr
+    expert_ids_ptr = out_ptr + expert_off
+    post_ptr = out_ptr + post_off
+    t = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    drop = NUM_BINS - 1  # dropped pairs' bin, never a real bucket (NUM_BINS > E + 1)
+    bins = tl.arange(0, NUM_BINS)
+    lbins = tl.arange(0, LOCAL_BINS)
+    totals = tl.zeros([NUM_BINS], dtype=tl.int32)
+    before = tl.zeros([NUM_BINS], dtype=tl.int32)
+    local = tl.zeros([LOCAL_BINS], dtype=tl.int32)
+    for c0 in range(0, numel, CHUNK):
+        every = c0 + tl.arange(0, CHUNK)
+        b_all, e_all = _bucket_of(ids_ptr, map_ptr, every, numel, E, num_local, HAS_MAP, KEEP_EMPTY, drop)
+        totals += tl.histogram(b_all, NUM_BINS)
+        before += tl.histogram(tl.where(every < t * TILE, b_all, drop), NUM_BINS)
+        if LOCAL_COUNTS:  # LOCAL_BINS > num_local: the last bin takes the pairs of no local expert
+            local += tl.histogram(tl.where(e_all >= 0, e_all, LOCAL_BINS - 1), LOCAL_BINS)
+    totals = tl.where(bins <= E, totals, 0)
+    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    starts = tl.cumsum(padded, axis=0) - padded
+    post = tl.sum(padded, axis=0)
+
+    idx = t * TILE + tl.arange(0, TILE)
+    bucket, expert = _bucket_of(ids_ptr, map_ptr, idx, numel, E, num_local, HAS_MAP, KEEP_EMPTY, drop)
+    keep = bucket <= E
+    b = tl.where(keep, bucket, 0)
+    pos = tl.gather(before, b, 0) + _rank_in_tile(bucket, TILE)
+    _place(sorted_ptr, expert_ids_ptr, idx, tl.gather(starts, b, 0) + pos, pos, expert, keep, BLOCK_M)
+
+    _pad_owned(sorted_ptr, totals, padded, starts, t, nprog, numel, E, OWNED, PAD_W)
+    if t == 0:
+        tl.store(post_ptr, post)
+        if LOCAL_COUNTS:
+            tl.store(out_ptr + local_off + lbins, local, mask=lbins < num_local)
     _fill_tail(sorted_ptr, expert_ids_ptr, post, numel, max_padded, max_blocks, t, nprog, BLOCK_M, FILL)
 
 
@@ -322,9 +386,11 @@ class _AlignShape:
     totals_off: int
     size: int
     small: bool
+    medium: bool
     num_tiles: int
     num_bins: int
     local_bins: int
+    medium_local_bins: int
     tile: int
     scan_block: int
     owned: int
@@ -332,9 +398,11 @@ class _AlignShape:
 
 
 @functools.lru_cache(maxsize=4096)
-def _align_shape(numel: int, E: int, num_local: int, block_m: int, counts: bool) -> _AlignShape:
+def _align_shape(numel: int, E: int, num_local: int, block_m: int, counts: bool, small_max: int,
+                 medium_max: int) -> _AlignShape:  # fmt: skip
     max_padded = max_padded_size(numel, E + 1, block_m)
-    small = numel <= TILE
+    small = numel <= min(small_max, TILE)
+    medium = not small and numel <= medium_max
     num_tiles = 0 if small else cdiv(numel, TILE)
     expert_off = _round32(max_padded)
     post_off = expert_off + _round32(max_padded // block_m)
@@ -342,13 +410,15 @@ def _align_shape(numel: int, E: int, num_local: int, block_m: int, counts: bool)
     # One allocation: outputs and local counts, then (three-launch path) counts [E + 1, num_tiles]
     # and totals [E + 1].
     counts_off = local_off + _round32(num_local)
-    totals_off = counts_off + (0 if small else _round32((E + 1) * num_tiles))
-    size = totals_off + (0 if small else _round32(E + 1))
+    one_launch = small or medium  # no scratch counts or totals
+    totals_off = counts_off + (0 if one_launch else _round32((E + 1) * num_tiles))
+    size = totals_off + (0 if one_launch else _round32(E + 1))
     spec = (int_spec(expert_off), int_spec(post_off), int_spec(num_tiles), int_spec(counts_off), int_spec(totals_off))
     return _AlignShape(
         numel, E, num_local, block_m, counts, max_padded, max_padded // block_m, expert_off, post_off, local_off,
-        counts_off, totals_off, size, small, num_tiles, max(32, next_power_of_2(E + 2)),
-        max(16, next_power_of_2(num_local)), max(16, next_power_of_2(numel)) if small else TILE,
+        counts_off, totals_off, size, small, medium, num_tiles, max(32, next_power_of_2(E + 2)),
+        max(16, next_power_of_2(num_local)), max(16, next_power_of_2(num_local + 1)),
+        max(16, next_power_of_2(numel)) if small else TILE,
         min(1024, max(16, next_power_of_2(num_tiles))), next_power_of_2(cdiv(E + 1, num_tiles)) if num_tiles else 1,
         spec,
     )  # fmt: skip
@@ -498,6 +568,7 @@ def moe_align_block_size(
 
 
 _SMALL = LeanLauncher(_align_small_kernel, pdl=True)
+_MEDIUM = LeanLauncher(_align_medium_kernel, pdl=True)
 _COUNT = LeanLauncher(_align_count_kernel, pdl=True)
 _SCAN = LeanLauncher(_align_scan_kernel, pdl=True)
 _SCATTER = LeanLauncher(_align_scatter_kernel, pdl=True)
@@ -518,7 +589,7 @@ def launch_align(
     ``counts=True`` also writes the pairs per local expert (``AlignedBlocks.counts``), for free."""
     numel, E = topk_ids.numel(), global_num_experts
     num_local = num_local_experts if num_local_experts is not None else E
-    sh = _align_shape(numel, E, num_local, block_m, counts)
+    sh = _align_shape(numel, E, num_local, block_m, counts, SMALL_MAX, MEDIUM_MAX)
     buf = torch.empty(sh.size, dtype=torch.int32, device=topk_ids.device)
     out = AlignedBlocks(buf, sh)
     if numel == 0:
@@ -538,6 +609,13 @@ def launch_align(
                       sh.local_off), key=key, stream=stream, constexprs=lambda: dict(
                    BLOCK_M=block_m, TILE=sh.tile, PAD_W=max(16, block_m), FILL=_FILL, LOCAL_COUNTS=counts,
                    LOCAL_BINS=sh.local_bins, **flags, num_warps=4 if sh.num_bins <= 256 else 8))  # fmt: skip
+        return out
+    if sh.medium:
+        _MEDIUM((sh.num_tiles,), (topk_ids, expert_map, buf, *dims, sh.max_padded, sh.max_blocks, sh.expert_off,
+                                  sh.post_off, sh.local_off), key=key, stream=stream, constexprs=lambda: dict(
+                    BLOCK_M=block_m, TILE=TILE, CHUNK=_CHUNK, OWNED=sh.owned, PAD_W=max(16, block_m), FILL=_FILL,
+                    LOCAL_COUNTS=counts, LOCAL_BINS=sh.medium_local_bins, **flags,
+                    num_warps=4 if sh.num_bins <= 256 else 8))  # fmt: skip
         return out
     _COUNT((sh.num_tiles,), (topk_ids, expert_map, buf, *dims, sh.num_tiles, sh.counts_off, sh.local_off), key=key,
            stream=stream, constexprs=lambda: dict(TILE=TILE, LOCAL_COUNTS=counts, LOCAL_BINS=sh.local_bins, **flags))

@@ -84,17 +84,34 @@ def launch_weighted_topk_sum(fused_out: torch.Tensor, topk_weights: torch.Tensor
     M, K = out.shape
     if M == 0:
         return out
-    grid, spec, consts = _reduce_shape(M, K, topk_weights.shape[1])
+    grid, spec, consts = _reduce_shape(M, K, topk_weights.shape[1], MIN_PROGRAMS)
     key = (spec, fused_out.dtype, topk_weights.dtype, out.dtype, fused_out.data_ptr() % 16,
            topk_weights.data_ptr() % 16, out.data_ptr() % 16)  # fmt: skip
     _REDUCE(grid, (fused_out, topk_weights, out, M, K), key=key, constexprs=lambda: consts, stream=stream)
     return out
 
 
+MIN_PROGRAMS = 512  # about four per SM of an H200: below that, small M left most SMs idle
+
+
 @functools.lru_cache(maxsize=4096)
-def _reduce_shape(M: int, K: int, topk: int) -> tuple[tuple, tuple, dict]:
-    """(grid, integer classes, compile-time arguments) of a launch: they follow from the sizes alone."""
+def _reduce_shape(M: int, K: int, topk: int, min_programs: int) -> tuple[tuple, tuple, dict]:
+    """(grid, integer classes, compile-time arguments) of a launch: they follow from the sizes alone.
+
+    Tiles of up to 16 x 1024, shrunk (rows first, then columns down to 256) until the grid has
+    ``min_programs`` programs (``MIN_PROGRAMS``) or cannot grow. At M=128, K=2048 the 4 x 1024
+    tile gave 64 programs, and the sum took 6.4 us for 4.7 MB (H200 profiler, 2026-12-02).
+    Threads keep 8 to 32 elements each."""
     BLOCK_K = min(1024, next_power_of_2(K))
     BLOCK_M = max(1, min(16, 4096 // BLOCK_K))
+    while cdiv(M, BLOCK_M) * cdiv(K, BLOCK_K) < min_programs:
+        if BLOCK_M > 1:
+            BLOCK_M //= 2
+        elif BLOCK_K > 256:
+            BLOCK_K //= 2
+        else:
+            break
+    num_warps = max(1, min(4, BLOCK_M * BLOCK_K // 256))
     grid = (cdiv(M, BLOCK_M), cdiv(K, BLOCK_K))
-    return grid, (topk, BLOCK_M, BLOCK_K, int_spec(M), int_spec(K)), dict(TOPK=topk, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
+    spec = (topk, BLOCK_M, BLOCK_K, int_spec(M), int_spec(K))
+    return grid, spec, dict(TOPK=topk, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, num_warps=num_warps)
