@@ -567,6 +567,15 @@ def moe_align_block_size(
                         keep_empty=keep_empty)  # fmt: skip
 
 
+def _small_warps(sh: _AlignShape) -> int:
+    """Warps of the one-program kernel. On the H200 (E=128, graphs of the kernel alone, µs for 1/2/4/8
+    warps, benchmarks/results/checks/align-small-warps-*): a 64-pair tile 6.2/3.5/4.9/4.9, a 128-pair
+    tile 13.6/7.2/4.7/15.1, 8-32 pairs best or level at 4; reproduced in a second round."""
+    if sh.num_bins > 256:
+        return 8
+    return 2 if sh.tile == 64 else 4
+
+
 _SMALL = LeanLauncher(_align_small_kernel, pdl=True)
 _MEDIUM = LeanLauncher(_align_medium_kernel, pdl=True)
 _COUNT = LeanLauncher(_align_count_kernel, pdl=True)
@@ -608,7 +617,7 @@ def launch_align(
         _SMALL((1,), (topk_ids, expert_map, buf, *dims, sh.max_padded, sh.max_blocks, sh.expert_off, sh.post_off,
                       sh.local_off), key=key, stream=stream, constexprs=lambda: dict(
                    BLOCK_M=block_m, TILE=sh.tile, PAD_W=max(16, block_m), FILL=_FILL, LOCAL_COUNTS=counts,
-                   LOCAL_BINS=sh.local_bins, **flags, num_warps=4 if sh.num_bins <= 256 else 8))  # fmt: skip
+                   LOCAL_BINS=sh.local_bins, **flags, num_warps=_small_warps(sh)))  # fmt: skip
         return out
     if sh.medium:
         _MEDIUM((sh.num_tiles,), (topk_ids, expert_map, buf, *dims, sh.max_padded, sh.max_blocks, sh.expert_off,
