@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moekit.device import interpreting
 from moekit.errors import InvalidInputError
 from moekit.kernels.host_math import cdiv, next_power_of_2
 from moekit.kernels.launch import LeanLauncher, int_spec
@@ -84,7 +85,7 @@ def launch_weighted_topk_sum(fused_out: torch.Tensor, topk_weights: torch.Tensor
     M, K = out.shape
     if M == 0:
         return out
-    grid, spec, consts = _reduce_shape(M, K, topk_weights.shape[1], MIN_PROGRAMS)
+    grid, spec, consts = _reduce_shape(M, K, topk_weights.shape[1], _min_programs())
     key = (spec, fused_out.dtype, topk_weights.dtype, out.dtype, fused_out.data_ptr() % 16,
            topk_weights.data_ptr() % 16, out.data_ptr() % 16)  # fmt: skip
     _REDUCE(grid, (fused_out, topk_weights, out, M, K), key=key, constexprs=lambda: consts, stream=stream)
@@ -92,6 +93,12 @@ def launch_weighted_topk_sum(fused_out: torch.Tensor, topk_weights: torch.Tensor
 
 
 MIN_PROGRAMS = 512  # about four per SM of an H200: below that, small M left most SMs idle
+
+
+def _min_programs() -> int:
+    """MIN_PROGRAMS on a GPU; 0 under the interpreter, which runs programs one after another (no SMs to
+    fill: at K=64, M=530 narrowing made 530 programs of 34, and each costs milliseconds there)."""
+    return 0 if interpreting() else MIN_PROGRAMS
 
 
 @functools.lru_cache(maxsize=4096)

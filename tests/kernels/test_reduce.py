@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from moekit.errors import InvalidInputError
+from moekit.kernels import reduce
 from moekit.kernels.reduce import MIN_PROGRAMS, _reduce_shape, weighted_topk_sum
 from moekit.testing import assert_close
 
@@ -9,7 +10,10 @@ from moekit.testing import assert_close
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("M, topk, K", [(1, 1, 8), (7, 3, 100), (33, 8, 256), (5, 2, 1500)])
-def test_matches_torch(dtype, M, topk, K):
+@pytest.mark.parametrize("narrowed", [False, True], ids=["interpreter tiles", "gpu tiles"])
+def test_matches_torch(dtype, M, topk, K, narrowed, monkeypatch):
+    if narrowed:  # the tiles a GPU launch takes (the interpreter keeps the widest: see _min_programs)
+        monkeypatch.setattr(reduce, "_min_programs", lambda: MIN_PROGRAMS)
     # (33, 8, 256) narrows the tile's rows, (5, 2, 1500) its columns too (see _reduce_shape)
     x = torch.randn(M, topk, K).to(dtype)
     w = torch.rand(M, topk)
