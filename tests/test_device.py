@@ -145,3 +145,38 @@ def test_has_tma_follows_the_device():
         assert has_tma() is False  # the interpreter reads descriptors, but no kernel picks TMA by default there
     else:
         assert has_tma() == (torch.cuda.get_device_capability()[0] >= 9)
+
+
+@pytest.mark.interpreter
+def test_interpreted_launches_skip_the_overflow_check_that_cannot_fire(monkeypatch):
+    # With debug off (Triton's default) the interpreter computed an overflow check for every int32
+    # add and dropped its assert; moekit's launch wrapper turns the check off for such launches only.
+    import dataclasses
+
+    import torch
+    import triton
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    @triton.jit
+    def _offset_kernel(x_ptr, base, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(x_ptr + offs, offs + base)  # int32 + int32: an op the sanitizer checks
+
+    builder, semantic = interpreter.interpreter_builder, interpreter.interpreter_semantic
+    seen, real = [], semantic.binary_op_sanitize_overflow_impl
+
+    def spy(lhs, rhs, op):
+        seen.append(builder.options.sanitize_overflow)
+        return real(lhs, rhs, op)
+
+    monkeypatch.setattr(semantic, "binary_op_sanitize_overflow_impl", spy)
+    x = torch.empty(16, dtype=torch.int32)
+    _offset_kernel[(1,)](x, 5, BLOCK=16)
+    assert torch.equal(x, torch.arange(16, dtype=torch.int32) + 5)
+    assert seen and not any(seen), "the check ran during the launch"
+    assert builder.options.sanitize_overflow is True and builder.options.debug is False  # restored after
+    # With debug on, the check can fire, so it stays: an int32 overflow is reported as before.
+    monkeypatch.setattr(builder, "options", dataclasses.replace(builder.options, debug=True))
+    with pytest.raises(Exception, match="overflow detected"):
+        _offset_kernel[(1,)](x, 2**31 - 8, BLOCK=16)
