@@ -10,7 +10,9 @@ Shapes (M tokens in this chunk, topk slots, K hidden, N = w1 rows = 2 x intermed
                                   slots are zeros
 
 No tensor is permuted: both GEMMs gather their rows through ``sorted_token_ids`` and scatter
-their results back to the pair's own row.
+their results back to the pair's own row. Up to ``moekit.kernels.pair_blocks.PAIR_MAX`` pairs
+(decode) there is no align: each pair is a block of its own and the GEMMs read its expert from
+``topk_ids`` (unless the chunk's counts are asked for, which the align writes).
 
 With ``fuse_activation=True`` GEMM1 applies silu_and_mul (and the fp8 requantization) in its
 epilogue: workspace13 becomes ``[M, topk, N/2]`` (the activation, or its fp8 bytes and scales)
@@ -25,12 +27,13 @@ import torch
 
 from moekit.errors import QuantizationError
 from moekit.experts.base import Experts, carve
-from moekit.kernels import pdl
+from moekit.kernels import pair_blocks, pdl
 from moekit.kernels.activation import launch_silu_and_mul, launch_silu_and_mul_fp8_group
 from moekit.kernels.align import AlignedBlocks, launch_align
 from moekit.kernels.configs import KernelConfig, get_config
 from moekit.kernels.fused_moe import launch_gemm
 from moekit.kernels.gemm_args import GatedOutput, RowWindow
+from moekit.kernels.pair_blocks import PairBlocks, launch_pair_blocks
 from moekit.quant import FP8, FP8_GROUP
 from moekit.types import (
     ActivationFormat,
@@ -136,8 +139,13 @@ class TritonExperts(Experts):
             return "triton"
         fp8 = self.quant is QuantScheme.FP8_BLOCK
         cfg1, cfg2 = self.tile_configs(problem, call.hidden.dtype)
-        blocks1 = self._align(call, cfg1.BLOCK_M, counts=call.fill_counts)
-        blocks2 = blocks1 if cfg2.BLOCK_M == cfg1.BLOCK_M else self._align(call, cfg2.BLOCK_M)
+        if call.topk_ids.numel() <= pair_blocks.PAIR_MAX and not call.fill_counts and not (
+            cfg1.persistent or cfg2.persistent
+        ):  # decode: one pair per block, no align launch (moekit.kernels.pair_blocks)
+            blocks1, blocks2 = self._pair_blocks(call, cfg1.BLOCK_M), self._pair_blocks(call, cfg2.BLOCK_M)
+        else:
+            blocks1 = self._align(call, cfg1.BLOCK_M, counts=call.fill_counts)
+            blocks2 = blocks1 if cfg2.BLOCK_M == cfg1.BLOCK_M else self._align(call, cfg2.BLOCK_M)
         if call.fill_counts:
             call.counts = blocks1.counts
         static = call.a2_scale.reshape(-1).float() if fp8 and call.a2_scale is not None else None
@@ -203,6 +211,12 @@ class TritonExperts(Experts):
                 act, kw = launch_silu_and_mul(ws13, ws2, R, H, x_stride=N, out_stride=H, stream=stream), {}
         launch_gemm(act, w.w2, call.output, layout, pairs_per_row=1, config=cfg2, chunk=scatter, stream=stream, **kw)
         return "triton"
+
+    @staticmethod
+    def _pair_blocks(call: ExpertsCall, block_m: int) -> PairBlocks:
+        placement = call.placement
+        return launch_pair_blocks(call.topk_ids, block_m, placement.global_num_experts, placement.expert_map,
+                                  num_local_experts=placement.num_local_experts)  # fmt: skip
 
     @staticmethod
     def _align(call: ExpertsCall, block_m: int, *, counts: bool = False) -> AlignedBlocks:

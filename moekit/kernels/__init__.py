@@ -4,6 +4,8 @@ launcher that checks its arguments, allocates what it returns and launches them.
 - ``count``: ``count_expert_num_tokens``, tokens per local expert (one-pass "histogram" and the
   seed's "scan").
 - ``align``: ``moe_align_block_size``, (token, slot) pairs sorted by expert, padded to a block.
+- ``pair_blocks``: ``pair_blocks``, one pair per block for decode (no align launch: the GEMMs
+  read each pair's expert from the ids).
 - ``fused_moe``: grouped GEMM over aligned blocks (standard format), with an optional fused
   silu_and_mul (+ fp8 1x128 requantization) epilogue for GEMM1; ``configs`` holds its tile table.
 - ``permute``: DeepGEMM's contiguous layout (rows grouped by expert, padded to 128,

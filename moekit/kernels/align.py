@@ -474,7 +474,8 @@ def max_padded_size(numel: int, num_buckets: int, block_m: int) -> int:
     return cdiv(bound, block_m) * block_m
 
 
-def _check(topk_ids, block_m, global_num_experts, expert_map, num_local_experts, keep_empty) -> None:
+def check_layout_args(topk_ids, block_m, global_num_experts, expert_map, num_local_experts, keep_empty) -> None:
+    """The checks of moe_align_block_size (and of moekit.kernels.pair_blocks.pair_blocks)."""
     check_ids(topk_ids, rank=None)
     check_positive_int(block_m, "block_m")
     check_positive_int(global_num_experts, "global_num_experts")
@@ -562,7 +563,7 @@ def moe_align_block_size(
         InvalidIdsError: ids or map not signed-integer and contiguous.
         InvalidInputError: a bad ``block_m``/``global_num_experts``, or a map of the wrong length.
     """
-    _check(topk_ids, block_m, global_num_experts, expert_map, num_local_experts, keep_empty)
+    check_layout_args(topk_ids, block_m, global_num_experts, expert_map, num_local_experts, keep_empty)
     return launch_align(topk_ids, block_m, global_num_experts, expert_map, num_local_experts=num_local_experts,
                         keep_empty=keep_empty)  # fmt: skip
 

@@ -7,7 +7,8 @@ Shapes (numel = M * topk (token, slot) pairs, E local experts, BM = BLOCK_M)::
     w         [E, N, K]       one [N, K] matrix per expert (w1, or w2 with N = hidden size)
     out       [M, topk, N]    out[m, j] = pair (m, j)'s result, unweighted (GEMM1: workspace13,
                               GEMM2: the experts' output); pairs evenly strided
-    blocks    AlignedBlocks   BM-row blocks of pairs, one expert each (moe_align_block_size)
+    blocks    AlignedBlocks   BM-row blocks of pairs, one expert each (moe_align_block_size),
+              or PairBlocks   one pair per block, its expert read from topk_ids (decode)
     fp8 only: a_scale [rows_a, K/128] (1x128 groups), w_scale [E, N/128, K/128] (128x128 blocks)
 
 One program computes a ``BLOCK_M x BLOCK_N`` tile: the rows of one block (all the same expert)
@@ -31,12 +32,13 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moekit.device import interpreting
-from moekit.kernels.align import AlignedBlocks
+from moekit.kernels.align import AlignedBlocks, _bucket_of
 from moekit.kernels.configs import KernelConfig
 from moekit.kernels.gemm_args import GatedOutput, RowWindow, check_gemm_args
 from moekit.kernels.gemm_tile import _tile
 from moekit.kernels.host_math import cdiv
 from moekit.kernels.launch import LeanLauncher, sm_count
+from moekit.kernels.pair_blocks import PairBlocks
 from moekit.kernels.pdl import pdl_begin
 from moekit.kernels.persistent_gemm import INTERPRETER_SMS, _persistent_moe_kernel
 from moekit.kernels.tma import tma_descriptor, weight_descriptor
@@ -54,12 +56,13 @@ def _rows_descriptor(a: torch.Tensor, config: KernelConfig) -> TensorDescriptor 
     return tma_descriptor(a, [config.BLOCK_M, config.BLOCK_K])
 
 
-@triton.jit(do_not_specialize=["numel", "num_blocks", "row_base", "expert_off", "post_off"])  # they change with M
+@triton.jit(do_not_specialize=["numel", "num_blocks", "row_base", "expert_off", "post_off", "num_experts", "num_local"])
 def _fused_moe_kernel(
     # Pointers
     a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, blocks_ptr, out_scale_ptr, static_ptr, w_desc, a_desc,
+    ids_ptr, map_ptr,
     # Sizes
-    N, K, numel, num_blocks, row_base, expert_off, post_off,
+    N, K, numel, num_blocks, row_base, expert_off, post_off, num_experts, num_local,
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
     stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk,
     stride_osm, stride_osg, stride_static, static_div,
@@ -70,7 +73,7 @@ def _fused_moe_kernel(
     W_TMA: tl.constexpr, A_TMA: tl.constexpr, UPCAST_BF16: tl.constexpr, DOT_IEEE: tl.constexpr, FIX_ROUNDING: tl.constexpr,
     FP8_MAX: tl.constexpr, TINY: tl.constexpr,
     EXPERT_BLOCK: tl.constexpr, READ_BY_POSITION: tl.constexpr, WRITE_BY_POSITION: tl.constexpr,
-    TAIL_M: tl.constexpr,
+    TAIL_M: tl.constexpr, PAIR_BLOCKS: tl.constexpr, HAS_MAP: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     pdl_begin(PDL)  # nothing is read before the previous kernel completes
@@ -92,7 +95,12 @@ def _fused_moe_kernel(
     # Rows are addressed by pair (token * topk + slot, scattered through sorted_token_ids) or, for
     # a chunk of sorted rows, by position in the chunk (a contiguous workspace of the chunk's rows).
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + offs_m)
+    if PAIR_BLOCKS:  # block pid_m is pair pid_m alone (moekit.kernels.pair_blocks): nothing to load
+        pair = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, numel)
+        row0 = pid_m
+    else:
+        pair = tl.load(sorted_ptr + offs_m)
+        row0 = pid_m * BLOCK_M
     live = pair < numel  # padding rows hold numel
     if WRITE_BY_POSITION:
         dest = offs_m.to(tl.int64)
@@ -107,12 +115,16 @@ def _fused_moe_kernel(
     out_scale_ptrs = out_scale_ptr + dest * stride_osm + pid_n * stride_osg
     # The grid is sized by an upper bound (no host sync): blocks past the real ones do no math;
     # a block of another rank's expert (id -1) contributes zeros.
-    past_end = row_base + pid_m * BLOCK_M >= tl.load(post_ptr)
-    if not WRITE_BY_POSITION:
-        if past_end:
-            return
-    expert = tl.load(expert_ids_ptr + (pid_m * BLOCK_M) // EXPERT_BLOCK).to(tl.int64)
-    expert = tl.where(past_end, -1, expert)
+    if PAIR_BLOCKS:  # the grid is exact; the expert as the align would place it (-1: a zero row)
+        expert = _bucket_of(ids_ptr, map_ptr, pid_m, numel, num_experts, num_local, HAS_MAP, True, 0)[1]
+        expert = expert.to(tl.int64)
+    else:
+        past_end = row_base + pid_m * BLOCK_M >= tl.load(post_ptr)
+        if not WRITE_BY_POSITION:
+            if past_end:
+                return
+        expert = tl.load(expert_ids_ptr + (pid_m * BLOCK_M) // EXPERT_BLOCK).to(tl.int64)
+        expert = tl.where(past_end, -1, expert)
     if expert == -1:  # (or past the end, for a chunk's workspace rows: zeros, not stale bytes)
         tl.store(out_ptrs, tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty), mask=out_mask)
         if QUANT_OUT:
@@ -129,22 +141,24 @@ def _fused_moe_kernel(
     if short:
         _tile(
             a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, sorted_ptr, out_scale_ptr, static_ptr, w_desc, a_desc,
-            pid_m * BLOCK_M, pid_n, expert, N, K, numel, tl.cdiv(K, BLOCK_K),
+            row0, pid_n, expert, N, K, numel, tl.cdiv(K, BLOCK_K),
             stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
             stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk,
             stride_osm, stride_osg, stride_static, static_div,
             SHORT_M, BLOCK_N, BLOCK_K, PAIRS_PER_ROW, EVEN_K, IS_FP8, FP8_GROUP, GATED, QUANT_OUT, STATIC_OUT,
             W_TMA, False, UPCAST_BF16, DOT_IEEE, FIX_ROUNDING, FP8_MAX, TINY, READ_BY_POSITION, WRITE_BY_POSITION,
+            PAIR_BLOCKS,
         )
     else:
         _tile(
             a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, sorted_ptr, out_scale_ptr, static_ptr, w_desc, a_desc,
-            pid_m * BLOCK_M, pid_n, expert, N, K, numel, tl.cdiv(K, BLOCK_K),
+            row0, pid_n, expert, N, K, numel, tl.cdiv(K, BLOCK_K),
             stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
             stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk,
             stride_osm, stride_osg, stride_static, static_div,
             BLOCK_M, BLOCK_N, BLOCK_K, PAIRS_PER_ROW, EVEN_K, IS_FP8, FP8_GROUP, GATED, QUANT_OUT, STATIC_OUT,
             W_TMA, A_TMA, UPCAST_BF16, DOT_IEEE, FIX_ROUNDING, FP8_MAX, TINY, READ_BY_POSITION, WRITE_BY_POSITION,
+            PAIR_BLOCKS,
         )
 
 
@@ -152,7 +166,7 @@ def fused_moe_gemm(
     a: torch.Tensor,
     w: torch.Tensor,
     out: torch.Tensor,
-    blocks: AlignedBlocks,
+    blocks: AlignedBlocks | PairBlocks,
     *,
     pairs_per_row: int,
     config: KernelConfig,
@@ -185,7 +199,9 @@ def fused_moe_gemm(
             ``gated.out_scale``); pair (m, j) is addressed through ``out.stride(1)`` and a column
             through ``out.stride(2)``, as upstream's launcher did, so a 2-D ``out`` fails there
             with torch's IndexError (the crash of bug 1; ``ModularKernel``'s guard names it first).
-        blocks: from :func:`moekit.kernels.align.moe_align_block_size` with ``config.BLOCK_M``.
+        blocks: from :func:`moekit.kernels.align.moe_align_block_size` with ``config.BLOCK_M``, or
+            :func:`moekit.kernels.pair_blocks.pair_blocks` (one pair per block, decode; not with
+            ``chunk`` or a persistent config).
         pairs_per_row: pairs that share a row of ``a``: topk for GEMM1, 1 for GEMM2.
         config: tile sizes (:func:`moekit.kernels.configs.get_config`).
         a_scale: fp8 only, float32 ``[rows, K/128]`` (any strides, e.g. column-major).
@@ -218,7 +234,7 @@ def launch_gemm(
     a: torch.Tensor,
     w: torch.Tensor,
     out: torch.Tensor,
-    blocks: AlignedBlocks,
+    blocks: AlignedBlocks | PairBlocks,
     *,
     pairs_per_row: int,
     config: KernelConfig,
@@ -261,15 +277,25 @@ def launch_gemm(
     a_desc = _rows_descriptor(a, config) if config.tma and read_pos else None
     strides = (*a.stride(), *w.stride(), stride_pair, o2, *scales[2:], *epilogue[2:])
     num_blocks = (end - start) // config.BLOCK_M
-    args = (a, w, out, scales[0], scales[1], blocks.buffer, epilogue[0], epilogue[1], w if w_desc is None else w_desc,
-            a if a_desc is None else a_desc,
-            width, K, blocks.numel, num_blocks, start, blocks.expert_offset, blocks.post_offset, *strides)  # fmt: skip
+    pairs = isinstance(blocks, PairBlocks)
+    emap = blocks.expert_map if pairs else None
+    if pairs:  # no layout buffer: the kernel reads the ids (and map) itself
+        layout = (blocks.ids, 0, 0, blocks.global_num_experts, blocks.num_local)
+        ids = (blocks.ids, blocks.ids if emap is None else emap)
+    else:
+        layout = (blocks.buffer, blocks.expert_offset, blocks.post_offset, 0, 0)
+        ids = (blocks.buffer, blocks.buffer)
+    args = (a, w, out, scales[0], scales[1], layout[0], epilogue[0], epilogue[1], w if w_desc is None else w_desc,
+            a if a_desc is None else a_desc, *ids,
+            width, K, blocks.numel, num_blocks, start, *layout[1:3], *layout[3:], *strides)  # fmt: skip
     # What selects the compiled variant beyond the config and flags: the dtypes, the sizes and strides
     # (fixed per layer, except the fp8 scales' strides), the alignment of every pointer (chunks slice
     # a and out). numel, num_blocks and the offsets are not specialized.
     ptrs = (a.data_ptr() % 16, out.data_ptr() % 16, w.data_ptr() % 16,
             (a_scale.data_ptr() % 16, w_scale.data_ptr() % 16) if fp8 else None,
-            (out_scale.data_ptr() % 16, epilogue[1].data_ptr() % 16) if quant_out else None)  # fmt: skip
+            (out_scale.data_ptr() % 16, epilogue[1].data_ptr() % 16) if quant_out else None,
+            (blocks.ids.dtype, blocks.ids.data_ptr() % 16, None if emap is None else (emap.dtype, emap.data_ptr() % 16))
+            if pairs else None)  # fmt: skip
     key = (config, a.dtype, out.dtype, pairs_per_row, gated is not None, quant_out, static is not None,
            w_desc is not None, a_desc is not None, read_pos, write_pos, blocks.block_m, width, K, strides, ptrs)  # fmt: skip
 
@@ -281,6 +307,7 @@ def launch_gemm(
             UPCAST_BF16=interpreting() and a.dtype == torch.bfloat16,
             DOT_IEEE=a.dtype == torch.float32, FIX_ROUNDING=interpreting(), FP8_MAX=FP8_MAX, TINY=TINY_SCALE,
             EXPERT_BLOCK=blocks.block_m, READ_BY_POSITION=read_pos, WRITE_BY_POSITION=write_pos,
+            PAIR_BLOCKS=pairs, HAS_MAP=emap is not None,
             **config.launch,
         )  # fmt: skip
 

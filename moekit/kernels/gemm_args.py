@@ -12,8 +12,10 @@ from dataclasses import dataclass
 import torch
 
 from moekit.errors import InvalidInputError, QuantizationError
+from moekit.kernels.align import AlignedBlocks
 from moekit.kernels.configs import KernelConfig
 from moekit.kernels.host_math import cdiv
+from moekit.kernels.pair_blocks import PairBlocks
 from moekit.quant import FP8, FP8_GROUP
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -64,8 +66,19 @@ def check_float_pair(a, w) -> bool:
     return fp8
 
 
+def check_layout(blocks, config, chunk: RowWindow | None) -> None:
+    """``blocks`` is an aligned layout, or one pair per block (no row chunk, no persistent walk)."""
+    if not isinstance(blocks, (AlignedBlocks, PairBlocks)):
+        raise InvalidInputError(f"blocks must be AlignedBlocks or PairBlocks, got {type(blocks).__name__}")
+    if isinstance(blocks, PairBlocks) and (chunk is not None or getattr(config, "persistent", False)):
+        raise InvalidInputError(
+            f"PairBlocks take the whole layout on the one-program-per-tile kernel, got chunk={chunk}, config={config!r}"
+        )
+
+
 def check_rows(a, out, blocks, pairs_per_row, config, chunk: RowWindow | None) -> None:
     """The rows ``out`` and ``a`` must hold: one per pair, or one per position of a row chunk."""
+    check_layout(blocks, config, chunk)
     M, topk, _ = out.shape
     out_rows = chunk.rows if chunk is not None and chunk.write == "position" else blocks.numel
     if M * topk != out_rows:

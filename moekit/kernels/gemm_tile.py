@@ -48,14 +48,19 @@ def _tile(
     GATED: tl.constexpr, QUANT_OUT: tl.constexpr, STATIC_OUT: tl.constexpr,
     W_TMA: tl.constexpr, A_TMA: tl.constexpr, UPCAST_BF16: tl.constexpr, DOT_IEEE: tl.constexpr, FIX_ROUNDING: tl.constexpr,
     FP8_MAX: tl.constexpr, TINY: tl.constexpr, READ_BY_POSITION: tl.constexpr, WRITE_BY_POSITION: tl.constexpr,
+    PAIR_BLOCKS: tl.constexpr = False,
 ):
     """One BLOCK_M x BLOCK_N output tile: rows [row0, row0 + BLOCK_M) of the layout, all of ``expert``.
 
     ``k_steps`` BLOCK_K steps along K (``cdiv(K, BLOCK_K)``; 0 stores the epilogue of a zero
-    accumulator, which the persistent kernel uses for another rank's blocks).
+    accumulator, which the persistent kernel uses for another rank's blocks). With ``PAIR_BLOCKS``
+    the tile is pair ``row0`` alone (:mod:`moekit.kernels.pair_blocks`).
     """
     offs_m = row0 + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + offs_m)
+    if PAIR_BLOCKS:  # row0 is the tile's one pair; the other rows are padding
+        pair = tl.where(tl.arange(0, BLOCK_M) == 0, row0, numel)
+    else:
+        pair = tl.load(sorted_ptr + offs_m)
     live = pair < numel
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     # Padding rows load nothing (masked: zeros, no memory traffic) and columns past N wrap

@@ -31,12 +31,13 @@ from moekit.kernels.gemm_tile import _tile
 INTERPRETER_SMS = 3  # programs of a persistent launch under the interpreter: each walks several tiles
 
 
-@triton.jit(do_not_specialize=["numel", "num_blocks", "row_base", "expert_off", "post_off"])  # they change with M
+@triton.jit(do_not_specialize=["numel", "num_blocks", "row_base", "expert_off", "post_off", "num_experts", "num_local"])
 def _persistent_moe_kernel(
     # Pointers (as _fused_moe_kernel)
     a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, blocks_ptr, out_scale_ptr, static_ptr, w_desc, a_desc,
+    ids_ptr, map_ptr,  # PAIR_BLOCKS only, which this kernel does not take (the launcher refuses it)
     # Sizes
-    N, K, numel, num_blocks, row_base, expert_off, post_off,
+    N, K, numel, num_blocks, row_base, expert_off, post_off, num_experts, num_local,
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
     stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk,
     stride_osm, stride_osg, stride_static, static_div,
@@ -47,8 +48,9 @@ def _persistent_moe_kernel(
     W_TMA: tl.constexpr, A_TMA: tl.constexpr, UPCAST_BF16: tl.constexpr, DOT_IEEE: tl.constexpr, FIX_ROUNDING: tl.constexpr,
     FP8_MAX: tl.constexpr, TINY: tl.constexpr,
     EXPERT_BLOCK: tl.constexpr, READ_BY_POSITION: tl.constexpr, WRITE_BY_POSITION: tl.constexpr,
-    NUM_SMS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    PAIR_BLOCKS: tl.constexpr, HAS_MAP: tl.constexpr, NUM_SMS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
+    tl.static_assert(not PAIR_BLOCKS, "the persistent kernel walks an aligned layout")
     sorted_ptr = blocks_ptr + row_base
     expert_ids_ptr = blocks_ptr + expert_off + row_base // EXPERT_BLOCK
     post = tl.load(blocks_ptr + post_off)
