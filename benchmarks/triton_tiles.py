@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-import moekit.kernels.align as align_mod  # moekit first: it turns the interpreter on before triton loads
+import moekit.kernels.align_kernels as align_mod  # moekit first: it turns the interpreter on before triton loads
 import moekit.kernels.fused_moe as gemm_mod
 from moekit.experts.triton import TritonExperts
 from moekit.kernels.configs import KernelConfig

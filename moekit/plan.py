@@ -299,7 +299,7 @@ class RowPlan(_Plan):
     def count(self, chunk: RowChunk) -> torch.Tensor:
         """This chunk's rows per local expert: a row of every chunk's counts, made by one launch."""
         if self._counts is None:
-            from moekit.kernels.align import launch_chunk_counts
+            from moekit.kernels.align_layout import launch_chunk_counts
 
             self._counts = launch_chunk_counts(self.layout, self.planner.chunk_size,
                                                self.batch.placement.num_local_experts, stream=self.batch.stream)

@@ -32,7 +32,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moekit.device import interpreting
-from moekit.kernels.align import AlignedBlocks, _bucket_of
+from moekit.kernels.align import AlignedBlocks
+from moekit.kernels.align_kernels import _bucket_of
 from moekit.kernels.configs import KernelConfig
 from moekit.kernels.gemm_args import GatedOutput, RowWindow, check_gemm_args
 from moekit.kernels.gemm_tile import _tile

@@ -204,7 +204,7 @@ def test_errors(device):
 @pytest.mark.parametrize("with_map", [False, True])
 def test_chunk_counts_are_each_chunks_own_rows_per_local_expert(many_tiles, R, with_map, device):
     """One launch counts every chunk of R sorted rows; each row equals counting that chunk's pairs."""
-    from moekit.kernels.align import launch_chunk_counts
+    from moekit.kernels.align_layout import launch_chunk_counts
     from moekit.reference import count_reference
 
     E, num_local = 8, 4 if with_map else 8
