@@ -180,3 +180,40 @@ def test_interpreted_launches_skip_the_overflow_check_that_cannot_fire(monkeypat
     monkeypatch.setattr(builder, "options", dataclasses.replace(builder.options, debug=True))
     with pytest.raises(Exception, match="overflow detected"):
         _offset_kernel[(1,)](x, 2**31 - 8, BLOCK=16)
+
+
+@pytest.mark.interpreter
+def test_interpreted_helpers_do_not_patch_the_language_again(monkeypatch):
+    # Each @triton.jit helper call re-patched triton.language (a walk of its modules that swaps
+    # nothing new); inside moekit's launch wrapper only the launch itself patches it.
+    import torch
+    import triton
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    global _add_one  # a helper is looked up in the kernel's module globals
+
+    @triton.jit
+    def _add_one(x):
+        return x + 1
+
+    @triton.jit
+    def _count_up_kernel(x_ptr, STEPS: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs)
+        for _ in tl.static_range(STEPS):
+            x = _add_one(x)
+        tl.store(x_ptr + offs, x)
+
+    walks, real = [], interpreter._patch_builtin
+    monkeypatch.setattr(interpreter, "_patch_builtin", lambda *a: (walks.append(a[0]), real(*a))[1])
+    load, patch_lang = tl.load, interpreter._patch_lang
+    counts = {}
+    for steps in (1, 12):
+        walks.clear()
+        x = torch.arange(16, dtype=torch.float32)
+        _count_up_kernel[(1,)](x, STEPS=steps, BLOCK=16)
+        assert torch.equal(x, torch.arange(16, dtype=torch.float32) + steps)
+        counts[steps] = len(walks)
+    assert counts[1] == counts[12] > 0, counts  # the launch's own patch only, however many helper calls
+    assert tl.load is load and interpreter._patch_lang is patch_lang  # restored after the launch
