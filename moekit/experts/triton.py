@@ -142,7 +142,8 @@ class TritonExperts(Experts):
         if call.topk_ids.numel() <= pair_blocks.PAIR_MAX and not call.fill_counts and not (
             cfg1.persistent or cfg2.persistent
         ):  # decode: one pair per block, no align launch (moekit.kernels.pair_blocks)
-            blocks1, blocks2 = self._pair_blocks(call, cfg1.BLOCK_M), self._pair_blocks(call, cfg2.BLOCK_M)
+            blocks1 = self._pair_blocks(call, cfg1.BLOCK_M)
+            blocks2 = blocks1 if cfg2.BLOCK_M == cfg1.BLOCK_M else self._pair_blocks(call, cfg2.BLOCK_M)
         else:
             blocks1 = self._align(call, cfg1.BLOCK_M, counts=call.fill_counts)
             blocks2 = blocks1 if cfg2.BLOCK_M == cfg1.BLOCK_M else self._align(call, cfg2.BLOCK_M)
