@@ -5,8 +5,8 @@
   committed table's tile;
 - :class:`FixedTiles`: ``TritonExperts`` whose ``tile_configs`` returns fixed tiles;
 - :func:`compile_only`: compile GEMM and align variants in parallel threads before timing. It
-  swaps moekit's private ``@triton.jit`` kernel objects for their ``warmup``: a shortcut of this
-  check only (the check falls back to compiling on first use when it fails).
+  swaps the function in moekit's private launchers for its ``warmup``: a shortcut of this check
+  only (the check falls back to compiling on first use when it fails).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-import moekit.kernels.align_kernels as align_mod  # moekit first: it turns the interpreter on before triton loads
+import moekit.kernels.align as align_mod  # moekit first: it turns the interpreter on before triton loads
 import moekit.kernels.fused_moe as gemm_mod
 from moekit.experts.triton import TritonExperts
 from moekit.kernels.configs import KernelConfig
@@ -70,32 +70,47 @@ SWEEP = {
 }
 
 
+def _launchers() -> list:
+    """The launchers whose kernels a sweep compiles: the two grouped GEMMs and the align's five."""
+    return [gemm_mod._GEMM, gemm_mod._PERSISTENT, align_mod._SMALL, align_mod._MEDIUM, align_mod._COUNT,
+            align_mod._SCAN, align_mod._SCATTER]  # fmt: skip
+
+
+class _WarmupOnly:
+    """Stands in for a ``@triton.jit`` function: ``f[grid](*args)`` compiles (``warmup``) and launches nothing."""
+
+    def __init__(self, fn):
+        self.fn, self.__name__ = fn, fn.__name__
+
+    def __getitem__(self, grid):
+        def compile_it(*args, **kwargs):
+            self.fn.warmup(*args, grid=grid, **kwargs)
+            # None: the launcher keeps no variant (what warmup returns under AsyncCompileMode is a
+            # handle of a compile in flight, not a kernel to launch later)
+
+        return compile_it
+
+
 @contextlib.contextmanager
 def compile_only(threads: int):
-    """Inside, GEMM and align launches only compile, in parallel threads; all done on exit."""
+    """Inside, GEMM and align launches only compile, in parallel threads; all done on exit.
+
+    moekit launches through ``moekit.kernels.launch.LeanLauncher`` objects that hold the jitted
+    function, so it is their ``fn`` that is swapped (swapping the modules' kernel names would
+    change nothing). Variants already kept by a launcher still launch (they are compiled).
+    """
     import triton
 
-    kernels = [(gemm_mod, "_fused_moe_kernel")] + [
-        (align_mod, n) for n in ("_align_small_kernel", "_align_medium_kernel", "_align_count_kernel",
-                                 "_align_scan_kernel", "_align_scatter_kernel")
-    ]  # fmt: skip
-    saved = [(mod, name, getattr(mod, name)) for mod, name in kernels]
-
-    class _Warm:
-        def __init__(self, fn):
-            self.fn = fn
-
-        def __getitem__(self, grid):
-            return lambda *a, **kw: self.fn.warmup(*a, grid=grid, **kw)
-
-    for mod, name, fn in saved:
-        setattr(mod, name, _Warm(fn))
+    launchers = _launchers()
+    saved = [(launcher, launcher.fn) for launcher in launchers]
+    for launcher, fn in saved:
+        launcher.fn = _WarmupOnly(fn)
     try:
         with triton.AsyncCompileMode(ThreadPoolExecutor(threads), ignore_errors=True):
             yield
     finally:
-        for mod, name, fn in saved:
-            setattr(mod, name, fn)
+        for launcher, fn in saved:
+            launcher.fn = fn
 
 
 class FixedTiles(TritonExperts):

@@ -49,6 +49,9 @@ from moekit.types import (
 )
 from moekit.validate import check_flag
 
+# False: a layout per GEMM when their BLOCK_M differ, as before (for benchmarks/gpu_pdl.py --compare layout)
+ONE_LAYOUT = True
+
 
 class TritonExperts(Experts):
     """Triton grouped GEMMs over expert-aligned blocks, for any M (Standard format).
@@ -147,8 +150,11 @@ class TritonExperts(Experts):
         ):  # decode: one pair per block, no align launch (moekit.kernels.pair_blocks)
             blocks1 = self._pair_blocks(call, cfg1.BLOCK_M)
             blocks2 = blocks1 if cfg2.BLOCK_M == cfg1.BLOCK_M else self._pair_blocks(call, cfg2.BLOCK_M)
-        else:  # one layout for both, in blocks of the larger tile (powers of two: the smaller divides it)
+        elif ONE_LAYOUT:  # one layout for both, in blocks of the larger tile (powers of two: the smaller divides it)
             blocks1 = blocks2 = self._align(call, max(cfg1.BLOCK_M, cfg2.BLOCK_M), counts=call.fill_counts)
+        else:
+            blocks1 = self._align(call, cfg1.BLOCK_M, counts=call.fill_counts)
+            blocks2 = blocks1 if cfg2.BLOCK_M == cfg1.BLOCK_M else self._align(call, cfg2.BLOCK_M)
         if call.fill_counts:
             call.counts = blocks1.counts
         static = call.a2_scale.reshape(-1).float() if fp8 and call.a2_scale is not None else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import moekit.experts.triton as triton_experts
 from moekit.experts import TritonExperts
 from moekit.kernels.align import moe_align_block_size
 from moekit.kernels.configs import KernelConfig
@@ -75,8 +76,6 @@ def test_tiles_past_a_blocks_real_rows_do_no_math(device, persistent):
 @pytest.fixture
 def align_sizes(monkeypatch):
     """The block sizes of the aligns TritonExperts launches."""
-    import moekit.experts.triton as triton_experts
-
     sizes = []
     real = triton_experts.launch_align
 
@@ -90,7 +89,7 @@ def align_sizes(monkeypatch):
 
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("tiles", [(16, 32), (32, 16)])
-def test_one_align_serves_both_gemms(device, align_sizes, fused, tiles):
+def test_one_align_serves_both_gemms(device, align_sizes, monkeypatch, fused, tiles):
     class Tiles(TritonExperts):
         def tile_configs(self, problem, dtype):
             return tuple(KernelConfig(BLOCK_M=m, BLOCK_N=32, BLOCK_K=32) for m in tiles)
@@ -100,6 +99,10 @@ def test_one_align_serves_both_gemms(device, align_sizes, fused, tiles):
     out = kernel(p.hidden, p.w1, p.w2, p.topk_weights, p.topk_ids)
     assert align_sizes == [32]
     assert_close(out, moe_reference(p.hidden, p.w1, p.w2, p.topk_weights, p.topk_ids), dtype=torch.float32)
+    monkeypatch.setattr(triton_experts, "ONE_LAYOUT", False)  # the A/B's other side: a layout per GEMM
+    own = kernel(p.hidden, p.w1, p.w2, p.topk_weights, p.topk_ids)
+    assert align_sizes == [32, *tiles]
+    assert_close(own, out, dtype=torch.float32)
 
 
 @pytest.mark.gpu
