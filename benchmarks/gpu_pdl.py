@@ -4,15 +4,13 @@
     python3 benchmarks/gpu_pdl.py [--shape qwen3_30b_a3b] [--M 1 8 128 1024 4096] [--rounds 5]
     python3 benchmarks/gpu_pdl.py --compare steps    # the align/reduce launch shapes, new / old
     python3 benchmarks/gpu_pdl.py --compare pairs --M 1 2 4   # decode without the align, by PAIR_MAX
-    python3 benchmarks/gpu_pdl.py --compare layout --M 4096 16384   # one align for both GEMMs / one each
 
 For each M and both ``TritonExperts`` pipelines (``fuse_activation`` off and on), bf16, uniform
 routing, with and without PDL (``--compare steps``: with the align's one-launch path for up to
 ``MEDIUM_MAX`` pairs and the weighted sum's grid of at least ``MIN_PROGRAMS`` programs, and with
 both as they were before: three align launches past one tile, the sum's fixed tile; ``--compare
 pairs``: one pair per block without an align up to ``pair_blocks.PAIR_MAX`` pairs, as committed, never
-(``align``), or up to 16 and 32 pairs; ``--compare layout``: one align for both GEMMs, in blocks of
-the larger tile, or one per GEMM when their tiles differ): the outputs are compared bit for bit, and against
+(``align``), or up to 16 and 32 pairs): the outputs are compared bit for bit, and against
 ``moekit.reference`` (first 64 tokens), before anything is timed. Then, per round and in a
 shuffled order, each variant is timed as a CUDA graph over 8 input sets (M <= ``--graph-max-M``;
 ``benchmarks.harness.measure.graph_us``, the harness's graph mode) and eagerly, ``calls``
@@ -39,7 +37,6 @@ import moekit  # noqa: I001  (before triton: sets the interpreter up on a CPU-on
 import torch
 
 from benchmarks.harness import common, measure
-import moekit.experts.triton as triton_experts
 from moekit.experts import TritonExperts
 from moekit.kernels import align, pair_blocks, pdl, reduce
 from moekit.kernels.configs import KernelConfig
@@ -108,27 +105,13 @@ def _pair_max(limit: int):
         pair_blocks.PAIR_MAX = saved
 
 
-@contextlib.contextmanager
-def _own_layouts():
-    """TritonExperts aligns once per GEMM when their BLOCK_M differ (``moekit.experts.triton.ONE_LAYOUT``)."""
-    saved = triton_experts.ONE_LAYOUT
-    triton_experts.ONE_LAYOUT = False
-    try:
-        yield
-    finally:
-        triton_experts.ONE_LAYOUT = saved
-
-
 # Per comparison: the variants' names (the first is the default path) and how to enter each.
 COMPARISONS = {
     "pdl": {"pdl": contextlib.nullcontext, "off": pdl.disabled},
     "steps": {"new": contextlib.nullcontext, "old": _old_steps},
     "pairs": {"pairs": contextlib.nullcontext, "align": lambda: _pair_max(0), "pairs16": lambda: _pair_max(16),
               "pairs32": lambda: _pair_max(32)},
-    "layout": {"one": contextlib.nullcontext, "own": _own_layouts},
 }
-
-
 def _variant(fn, enter):
     def call():
         with enter():

@@ -10,10 +10,7 @@ Shapes (M tokens in this chunk, topk slots, K hidden, N = w1 rows = 2 x intermed
                                   slots are zeros
 
 No tensor is permuted: both GEMMs gather their rows through ``sorted_token_ids`` and scatter
-their results back to the pair's own row. One align serves both GEMMs, in blocks of the larger
-of their two ``BLOCK_M``: the other GEMM runs several tiles per block and skips those past the
-block's real rows (at large M the fused pipeline's tiles are 64 and 128 rows: one align launch
-sequence fewer). Up to ``moekit.kernels.pair_blocks.PAIR_MAX`` pairs
+their results back to the pair's own row. Up to ``moekit.kernels.pair_blocks.PAIR_MAX`` pairs
 (decode) there is no align: each pair is a block of its own and the GEMMs read its expert from
 ``topk_ids`` (unless the chunk's counts are asked for, which the align writes).
 
@@ -48,9 +45,6 @@ from moekit.types import (
     WorkspaceShapes,
 )
 from moekit.validate import check_flag
-
-# False: a layout per GEMM when their BLOCK_M differ, as before (for benchmarks/gpu_pdl.py --compare layout)
-ONE_LAYOUT = True
 
 
 class TritonExperts(Experts):
@@ -150,8 +144,6 @@ class TritonExperts(Experts):
         ):  # decode: one pair per block, no align launch (moekit.kernels.pair_blocks)
             blocks1 = self._pair_blocks(call, cfg1.BLOCK_M)
             blocks2 = blocks1 if cfg2.BLOCK_M == cfg1.BLOCK_M else self._pair_blocks(call, cfg2.BLOCK_M)
-        elif ONE_LAYOUT:  # one layout for both, in blocks of the larger tile (powers of two: the smaller divides it)
-            blocks1 = blocks2 = self._align(call, max(cfg1.BLOCK_M, cfg2.BLOCK_M), counts=call.fill_counts)
         else:
             blocks1 = self._align(call, cfg1.BLOCK_M, counts=call.fill_counts)
             blocks2 = blocks1 if cfg2.BLOCK_M == cfg1.BLOCK_M else self._align(call, cfg2.BLOCK_M)

@@ -121,8 +121,6 @@ def _fused_moe_kernel(
         expert = expert.to(tl.int64)
     else:
         past_end = row_base + pid_m * BLOCK_M >= tl.load(post_ptr)
-        if BLOCK_M < EXPERT_BLOCK:  # a tile of a bigger block: past the block's real rows it is all padding
-            past_end = past_end | (tl.load(sorted_ptr + pid_m * BLOCK_M) >= numel)
         if not WRITE_BY_POSITION:
             if past_end:
                 return
@@ -202,8 +200,7 @@ def fused_moe_gemm(
             ``gated.out_scale``); pair (m, j) is addressed through ``out.stride(1)`` and a column
             through ``out.stride(2)``, as upstream's launcher did, so a 2-D ``out`` fails there
             with torch's IndexError (the crash of bug 1; ``ModularKernel``'s guard names it first).
-        blocks: from :func:`moekit.kernels.align.moe_align_block_size` with ``config.BLOCK_M`` or a
-            multiple of it (each block is then several tiles; those past its real rows do nothing), or
+        blocks: from :func:`moekit.kernels.align.moe_align_block_size` with ``config.BLOCK_M``, or
             :func:`moekit.kernels.pair_blocks.pair_blocks` (one pair per block, decode; not with
             ``chunk`` or a persistent config).
         pairs_per_row: pairs that share a row of ``a``: topk for GEMM1, 1 for GEMM2.
@@ -219,7 +216,7 @@ def fused_moe_gemm(
         ``out``.
 
     Raises:
-        InvalidInputError: shapes or dtypes do not fit together, or BLOCK_M does not divide the blocks'.
+        InvalidInputError: shapes or dtypes do not fit together, or BLOCK_M differs from the blocks'.
         QuantizationError: fp8 without the right scales, K % 128 != 0, or BLOCK_K not dividing 128.
     """
     # The kernel addresses pair (m, j) at m * stride(0) + j * stride(1) = pair * stride(1), and

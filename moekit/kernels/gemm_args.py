@@ -91,11 +91,11 @@ def check_rows(a, out, blocks, pairs_per_row, config, chunk: RowWindow | None) -
         what = "positions" if by_position else "pairs"
         raise InvalidInputError(f"a has {a.shape[0]} rows for {need} {what} at pairs_per_row={pairs_per_row!r}")
     if not isinstance(config, KernelConfig) or blocks.block_m % config.BLOCK_M or (
-        isinstance(blocks, PairBlocks) and config.BLOCK_M != blocks.block_m
+        chunk is None and config.BLOCK_M != blocks.block_m
     ):
         raise InvalidInputError(
-            f"config must be a KernelConfig with a BLOCK_M dividing the blocks' {blocks.block_m} (equal to it for "
-            f"PairBlocks), got {config!r}"
+            f"config must be a KernelConfig with BLOCK_M={blocks.block_m} (the blocks'; a divisor of it for a "
+            f"row chunk), got {config!r}"
         )
     if chunk is not None and (chunk.read not in ("pair", "position") or chunk.write not in ("pair", "position")
                               or chunk.start % blocks.block_m or chunk.rows % config.BLOCK_M or chunk.rows < 0

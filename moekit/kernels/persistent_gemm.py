@@ -10,7 +10,6 @@ tiles (``tile = program, program + SMs, ...``), reading the layout's used rows o
     for tile in range(program_id, used * cdiv(N, BLOCK_N), NUM_SMS):   # flattened with the k-loop
         pid_m, pid_n = grouped(tile)                            # GROUP_M row blocks share a column sweep
         expert = expert_ids[pid_m]                              # -1: another rank's, zero k-steps
-        # (zero k-steps too for a tile past its block's real rows, when blocks hold several tiles)
         _tile(pid_m, pid_n, expert, k_steps = 0 if expert == -1 else cdiv(K, BLOCK_K))
 
 The k-loop of one tile and the walk over tiles are one flattened loop (``tl.range(flatten=True)``),
@@ -71,10 +70,7 @@ def _persistent_moe_kernel(
         pid_n = (tile % per_group) // group_m
         row0 = pid_m * BLOCK_M
         expert = tl.load(expert_ids_ptr + row0 // EXPERT_BLOCK).to(tl.int64)
-        empty = row_base + row0 >= post
-        if BLOCK_M < EXPERT_BLOCK:  # a tile of a bigger block: past the block's real rows, all padding
-            empty = empty | (tl.load(sorted_ptr + row0) >= numel)
-        expert = tl.where(empty, -1, expert)
+        expert = tl.where(row_base + row0 >= post, -1, expert)
         _tile(
             a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, sorted_ptr, out_scale_ptr, static_ptr, w_desc, a_desc,
             row0, pid_n, expert, N, K, numel, tl.where(expert == -1, 0, k_all),

@@ -117,8 +117,6 @@ def test_refused_where_it_does_not_apply(device):
         fused_moe_gemm(a, w, out, blocks, pairs_per_row=2, config=CFG, chunk=RowWindow(0, 16))
     with expect_raises(InvalidInputError, match="PairBlocks"):
         fused_moe_gemm(a, w, out, blocks, pairs_per_row=2, config=KernelConfig(16, 32, 32, persistent=True))
-    with expect_raises(InvalidInputError, match="equal to it for PairBlocks"):
-        fused_moe_gemm(a, w, out, pb.pair_blocks(ids, 32, 2), pairs_per_row=2, config=CFG)
     with expect_raises(InvalidInputError, match="blocks must be"):
         fused_moe_gemm(a, w, out, ids, pairs_per_row=2, config=CFG)
     with expect_raises(InvalidIdsError):
