@@ -2,7 +2,7 @@
 
 A failing cell fails the test with papermill's message (cell, error, traceback). Executed copies
 are kept under build/test-notebooks/ as artifacts. The kernel is this interpreter (a kernelspec
-written by ``moekit.cli.walkthrough.use_moekit_kernel``), so it imports this checkout's moekit, and
+written by ``moekit.cli.kernel_spec.use_moekit_kernel``), so it imports this checkout's moekit, and
 ``moekit.device`` picks the Triton interpreter on a CPU machine.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from moekit.cli import walkthrough
+from moekit.cli import kernel_spec
 
 pm = pytest.importorskip("papermill")
 
@@ -47,7 +47,7 @@ pytestmark = pytest.mark.notebooks
 
 @pytest.fixture(scope="module")
 def kernel_name():
-    return walkthrough.use_moekit_kernel()
+    return kernel_spec.use_moekit_kernel()
 
 
 def test_found_notebooks():

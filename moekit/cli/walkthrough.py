@@ -15,228 +15,33 @@ For each notebook it writes the executed ``.ipynb`` and its HTML (nbconvert), th
 seconds, status) and returns 1 if any notebook failed. Cells tagged ``figure:<name>`` have
 their PNG saved as ``figures/<name>.png`` (the README's figures). papermill, nbconvert and tqdm
 are imported inside the functions.
+
+This module is the command line (:func:`build_parser`, :func:`main`); the parts it calls live in
+:mod:`moekit.cli.notebook_parameters` (what each notebook declares and gets),
+:mod:`moekit.cli.notebook_runs` (one notebook through papermill, the figures, the table and the
+index) and :mod:`moekit.cli.kernel_spec` (the kernel the notebooks run in). Their names are
+re-exported here.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
-import atexit
-import base64
-import html
-import json
 import os
 import shutil
-import stat
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass, field
 from pathlib import Path
 
-KERNEL_NAME = "moekit-python"
-FIGURE_TAG = "figure:"
-
-
-@dataclass
-class Result:
-    """How one notebook went."""
-
-    name: str
-    seconds: float = 0.0
-    status: str = "ok"
-    error: str = ""
-    parameters: dict = field(default_factory=dict)
-    figures: list[str] = field(default_factory=list)
+from moekit.cli.kernel_spec import KERNEL_NAME, kernel_spec_dir, use_moekit_kernel
+from moekit.cli.notebook_parameters import declared_parameters, parameters_for, parse_value, scoped_overrides
+from moekit.cli.notebook_runs import FIGURE_TAG, Result, extract_figures, run_one, summary, write_index
 
 
 def repo_root() -> Path:
     """The checkout that holds ``notebooks/`` (this package's parent), else the cwd."""
     here = Path(__file__).resolve().parent.parent
     return here if (here / "notebooks").is_dir() else Path.cwd()
-
-
-_SPEC_ROOT: Path | None = None  # this process's private kernelspec folder, once made
-_MADE: set[str] = set()  # every such folder this process put on JUPYTER_PATH
-
-
-def _private(path: Path) -> bool:
-    """``path`` is a real directory (not a symlink), owned by this user, that nobody else may enter."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return False
-    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077
-
-
-def kernel_spec_dir() -> Path:
-    """A kernelspec named ``moekit-python`` for *this* interpreter; returns the dir to put on JUPYTER_PATH.
-
-    A user-level ``python3`` kernelspec could point at another Python; this one cannot. The folder
-    is made fresh by :func:`tempfile.mkdtemp` (atomically, mode 0700, a name nobody can guess
-    beforehand) once per process and removed at exit. Nothing under a shared, predictable path is
-    ever used: another user could have made it first, or planted a symlink in it, and would then
-    choose the command papermill runs.
-    """
-    global _SPEC_ROOT
-    if _SPEC_ROOT is None or not _private(_SPEC_ROOT) or not _private(_SPEC_ROOT / "kernels" / KERNEL_NAME):
-        root = Path(tempfile.mkdtemp(prefix="moekit-kernels-"))
-        atexit.register(shutil.rmtree, root, ignore_errors=True)
-        (root / "kernels" / KERNEL_NAME).mkdir(mode=0o700, parents=True)
-        _SPEC_ROOT = root
-    spec = _SPEC_ROOT / "kernels" / KERNEL_NAME
-    # log_level: the kernel warns at every start that loopback TCP is unencrypted, and logs
-    # "KeyboardInterrupt caught in kernel" at ERROR when nbclient interrupts it at shutdown. Its
-    # real errors reach the notebook as cell outputs, so its own log stays quiet.
-    argv = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}", "--IPKernelApp.log_level=CRITICAL"]
-    body = json.dumps({"argv": argv, "display_name": "Python (moekit)", "language": "python"}, indent=1)
-    path = spec / "kernel.json"
-    path.unlink(missing_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(body)
-    return _SPEC_ROOT
-
-
-def use_moekit_kernel() -> str:
-    """Put :func:`kernel_spec_dir` first on JUPYTER_PATH (this process); returns the kernel name."""
-    path = str(kernel_spec_dir())
-    _MADE.add(path)
-    current = [p for p in os.environ.get("JUPYTER_PATH", "").split(os.pathsep) if p]
-    if path not in current:  # and drop a folder of ours that was replaced (see kernel_spec_dir)
-        os.environ["JUPYTER_PATH"] = os.pathsep.join([path] + [p for p in current if p not in _MADE])
-    return KERNEL_NAME
-
-
-def parse_value(text: str):
-    """A Python literal if ``text`` is one (``256``, ``0.5``, ``'x'``, ``None``), else the string."""
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text
-
-
-def declared_parameters(notebook: Path) -> dict[str, object]:
-    """Names and default values assigned in the cell tagged ``parameters`` (parsed with ``ast``).
-
-    papermill's own inspector skips any line holding two ``=`` (a comment like ``# 0 = uniform``).
-    """
-    nb = json.loads(notebook.read_text(encoding="utf-8"))
-    for cell in nb["cells"]:
-        if "parameters" in cell.get("metadata", {}).get("tags", []):
-            src = cell["source"] if isinstance(cell["source"], str) else "".join(cell["source"])
-            found = {}
-            for node in ast.parse(src).body:
-                if isinstance(node, ast.Assign):
-                    for target in node.targets:
-                        if isinstance(target, ast.Name):
-                            found[target.id] = ast.literal_eval(node.value)
-            return found
-    return {}
-
-
-def parameters_for(notebook: Path, declared: dict, global_params: dict, scoped: list[tuple[str, str, object]]):
-    """The overrides that apply to ``notebook``: global ones it declares, plus ``NN:name=value``."""
-    params = {k: v for k, v in global_params.items() if k in declared}
-    for scope, key, value in scoped:
-        if notebook.stem == scope or notebook.stem.split("_")[0] == scope:
-            if key not in declared:
-                raise SystemExit(
-                    f"moekit walkthrough: {notebook.name} has no parameter {key!r} "
-                    f"(it has {', '.join(declared) or 'none'})"
-                )
-            params[key] = value
-    return params
-
-
-def extract_figures(executed: Path, figures_dir: Path) -> list[str]:
-    """Save the PNG of every cell tagged ``figure:<name>`` as ``figures_dir/<name>.png``."""
-    nb = json.loads(executed.read_text())
-    saved = []
-    for cell in nb["cells"]:
-        names = [t[len(FIGURE_TAG) :] for t in cell.get("metadata", {}).get("tags", []) if t.startswith(FIGURE_TAG)]
-        pngs = [o["data"]["image/png"] for o in cell.get("outputs", []) if "image/png" in o.get("data", {})]
-        for name, png in zip(names, pngs, strict=False):
-            figures_dir.mkdir(parents=True, exist_ok=True)
-            (figures_dir / f"{name}.png").write_bytes(base64.b64decode(png))
-            saved.append(f"{name}.png")
-    return saved
-
-
-def run_one(notebook: Path, out_dir: Path, parameters: dict, *, kernel: str, timeout: int, html_report: bool):
-    """Execute one notebook with papermill (cwd = its folder); export HTML; return a Result."""
-    import papermill as pm
-
-    result, executed = Result(notebook.stem, parameters=parameters), out_dir / notebook.name
-    start = time.perf_counter()
-    try:
-        pm.execute_notebook(
-            str(notebook),
-            str(executed),
-            parameters=parameters,
-            kernel_name=kernel,
-            cwd=str(notebook.parent),
-            progress_bar=False,
-            execution_timeout=timeout,
-        )
-    except Exception as e:  # papermill's PapermillExecutionError, a dead kernel, a timeout
-        result.status = "FAILED"
-        result.error = f"{type(e).__name__}: {getattr(e, 'ename', '')} {getattr(e, 'evalue', e)}".strip()
-    result.seconds = time.perf_counter() - start
-    if executed.exists():
-        result.figures = extract_figures(executed, out_dir / "figures")
-        if html_report:
-            from nbconvert import HTMLExporter
-
-            body, _ = HTMLExporter().from_filename(str(executed))
-            executed.with_suffix(".html").write_text(body, encoding="utf-8")
-    return result
-
-
-def summary(results: list[Result], *, wall_seconds: float | None = None) -> str:
-    """The table printed at the end: notebook, seconds, status; the total is the notebooks' own
-    seconds added up, and ``wall_seconds`` (when given) the time the run took with them in parallel."""
-    width = max([len("notebook")] + [len(r.name) for r in results])
-    lines = [f"{'notebook':<{width}}  {'seconds':>7}  status", "-" * (width + 18)]
-    lines += [f"{r.name:<{width}}  {r.seconds:7.1f}  {r.status}" for r in results]
-    lines.append(
-        f"{'total':<{width}}  {sum(r.seconds for r in results):7.1f}  "
-        f"{sum(r.status == 'ok' for r in results)}/{len(results)} ok"
-    )
-    if wall_seconds is not None:
-        lines.append(f"{'wall clock':<{width}}  {wall_seconds:7.1f}")
-    return "\n".join(lines)
-
-
-def write_index(results: list[Result], out_dir: Path) -> Path:
-    """``index.html``: what it ran on, one row per notebook with links, then every saved figure."""
-    from moekit.cli.system_info import collect_info
-
-    esc = html.escape
-    ran_on = "<pre>" + esc("\n".join(collect_info().lines())) + "</pre>"
-    rows = "".join(
-        f"<tr><td><a href='{esc(r.name)}.html'>{esc(r.name)}</a> "
-        f"(<a href='{esc(r.name)}.ipynb'>ipynb</a>)</td>"
-        f"<td>{r.seconds:.1f}</td><td class='{'ok' if r.status == 'ok' else 'bad'}'>{esc(r.status)}</td>"
-        f"<td><code>{esc(json.dumps(r.parameters))}</code></td><td>{esc(r.error)}</td></tr>"
-        for r in results
-    )
-    figs = "".join(
-        f"<figure><img src='figures/{esc(f)}' width='640'><figcaption>{esc(f)}</figcaption></figure>"
-        for r in results
-        for f in r.figures
-    )
-    page = (
-        "<!doctype html><html><head><meta charset='utf-8'><title>moekit walkthrough</title><style>"
-        "body{font-family:sans-serif;margin:2em}td,th{padding:4px 10px;border-bottom:1px solid #ddd}"
-        ".ok{color:green}.bad{color:#b00;font-weight:bold}</style></head><body><h1>moekit walkthrough</h1>"
-        f"{ran_on}<table><tr><th>notebook</th><th>seconds</th><th>status</th><th>parameters</th><th>error</th></tr>"
-        f"{rows}</table><h2>Figures</h2>{figs}</body></html>"
-    )
-    index = out_dir / "index.html"
-    index.write_text(page, encoding="utf-8")
-    return index
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -276,17 +81,6 @@ def _positive(text: str) -> int:
     return value
 
 
-def _scoped(items: list[str]) -> list[tuple[str, str, object]]:
-    out = []
-    for item in items:
-        scope, sep, rest = item.partition(":")
-        key, eq, value = rest.partition("=")
-        if not sep or not eq or not key:
-            raise SystemExit(f"moekit walkthrough: expected NN:NAME=VALUE, got {item!r}")
-        out.append((scope, key, parse_value(value)))
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the walkthrough; returns the exit status (0 when every notebook passed)."""
     from tqdm import tqdm
@@ -312,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"the notebooks are: {names}", file=sys.stderr)
             return 2
     global_params = {k: parse_value(v) for k, v in args.parameter}
-    scoped = _scoped(args.overrides)
+    scoped = scoped_overrides(args.overrides)
     for scope, key, _ in scoped:
         if not any(n.stem == scope or n.stem.split("_")[0] == scope for n in notebooks):
             print(f"moekit walkthrough: {scope}:{key}=... names no notebook of this run "
@@ -349,6 +143,26 @@ def main(argv: list[str] | None = None) -> int:
             shutil.copy2(png, docs / png.name)
         print(f"figures copied to {docs}")
     return 0 if ok else 1
+
+
+__all__ = [
+    "FIGURE_TAG",
+    "KERNEL_NAME",
+    "Result",
+    "build_parser",
+    "declared_parameters",
+    "extract_figures",
+    "kernel_spec_dir",
+    "main",
+    "parameters_for",
+    "parse_value",
+    "repo_root",
+    "run_one",
+    "scoped_overrides",
+    "summary",
+    "use_moekit_kernel",
+    "write_index",
+]
 
 
 if __name__ == "__main__":

@@ -1,0 +1,118 @@
+"""The walkthrough's runs: one notebook through papermill, its figures, and the table and page that report them.
+
+:class:`Result` is how one notebook went; :func:`summary` is the table printed at the end and
+:func:`write_index` the ``index.html`` that links every executed notebook. papermill, nbconvert
+and :mod:`moekit.cli.system_info` are imported inside the functions.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+FIGURE_TAG = "figure:"
+
+
+@dataclass
+class Result:
+    """How one notebook went."""
+
+    name: str
+    seconds: float = 0.0
+    status: str = "ok"
+    error: str = ""
+    parameters: dict = field(default_factory=dict)
+    figures: list[str] = field(default_factory=list)
+
+
+def extract_figures(executed: Path, figures_dir: Path) -> list[str]:
+    """Save the PNG of every cell tagged ``figure:<name>`` as ``figures_dir/<name>.png``."""
+    nb = json.loads(executed.read_text())
+    saved = []
+    for cell in nb["cells"]:
+        names = [t[len(FIGURE_TAG) :] for t in cell.get("metadata", {}).get("tags", []) if t.startswith(FIGURE_TAG)]
+        pngs = [o["data"]["image/png"] for o in cell.get("outputs", []) if "image/png" in o.get("data", {})]
+        for name, png in zip(names, pngs, strict=False):
+            figures_dir.mkdir(parents=True, exist_ok=True)
+            (figures_dir / f"{name}.png").write_bytes(base64.b64decode(png))
+            saved.append(f"{name}.png")
+    return saved
+
+
+def run_one(notebook: Path, out_dir: Path, parameters: dict, *, kernel: str, timeout: int, html_report: bool):
+    """Execute one notebook with papermill (cwd = its folder); export HTML; return a Result."""
+    import papermill as pm
+
+    result, executed = Result(notebook.stem, parameters=parameters), out_dir / notebook.name
+    start = time.perf_counter()
+    try:
+        pm.execute_notebook(
+            str(notebook),
+            str(executed),
+            parameters=parameters,
+            kernel_name=kernel,
+            cwd=str(notebook.parent),
+            progress_bar=False,
+            execution_timeout=timeout,
+        )
+    except Exception as e:  # papermill's PapermillExecutionError, a dead kernel, a timeout
+        result.status = "FAILED"
+        result.error = f"{type(e).__name__}: {getattr(e, 'ename', '')} {getattr(e, 'evalue', e)}".strip()
+    result.seconds = time.perf_counter() - start
+    if executed.exists():
+        result.figures = extract_figures(executed, out_dir / "figures")
+        if html_report:
+            from nbconvert import HTMLExporter
+
+            body, _ = HTMLExporter().from_filename(str(executed))
+            executed.with_suffix(".html").write_text(body, encoding="utf-8")
+    return result
+
+
+def summary(results: list[Result], *, wall_seconds: float | None = None) -> str:
+    """The table printed at the end: notebook, seconds, status; the total is the notebooks' own
+    seconds added up, and ``wall_seconds`` (when given) the time the run took with them in parallel."""
+    width = max([len("notebook")] + [len(r.name) for r in results])
+    lines = [f"{'notebook':<{width}}  {'seconds':>7}  status", "-" * (width + 18)]
+    lines += [f"{r.name:<{width}}  {r.seconds:7.1f}  {r.status}" for r in results]
+    lines.append(
+        f"{'total':<{width}}  {sum(r.seconds for r in results):7.1f}  "
+        f"{sum(r.status == 'ok' for r in results)}/{len(results)} ok"
+    )
+    if wall_seconds is not None:
+        lines.append(f"{'wall clock':<{width}}  {wall_seconds:7.1f}")
+    return "\n".join(lines)
+
+
+def write_index(results: list[Result], out_dir: Path) -> Path:
+    """``index.html``: what it ran on, one row per notebook with links, then every saved figure."""
+    from moekit.cli.system_info import collect_info
+
+    esc = html.escape
+    ran_on = "<pre>" + esc("\n".join(collect_info().lines())) + "</pre>"
+    rows = "".join(
+        f"<tr><td><a href='{esc(r.name)}.html'>{esc(r.name)}</a> "
+        f"(<a href='{esc(r.name)}.ipynb'>ipynb</a>)</td>"
+        f"<td>{r.seconds:.1f}</td><td class='{'ok' if r.status == 'ok' else 'bad'}'>{esc(r.status)}</td>"
+        f"<td><code>{esc(json.dumps(r.parameters))}</code></td><td>{esc(r.error)}</td></tr>"
+        for r in results
+    )
+    figs = "".join(
+        f"<figure><img src='figures/{esc(f)}' width='640'><figcaption>{esc(f)}</figcaption></figure>"
+        for r in results
+        for f in r.figures
+    )
+    page = (
+        "<!doctype html><html><head><meta charset='utf-8'><title>moekit walkthrough</title><style>"
+        "body{font-family:sans-serif;margin:2em}td,th{padding:4px 10px;border-bottom:1px solid #ddd}"
+        ".ok{color:green}.bad{color:#b00;font-weight:bold}</style></head><body><h1>moekit walkthrough</h1>"
+        f"{ran_on}<table><tr><th>notebook</th><th>seconds</th><th>status</th><th>parameters</th><th>error</th></tr>"
+        f"{rows}</table><h2>Figures</h2>{figs}</body></html>"
+    )
+    index = out_dir / "index.html"
+    index.write_text(page, encoding="utf-8")
+    return index
