@@ -2,13 +2,22 @@
 
 Spawning a rank costs about 3 s of CPU (each imports torch and moekit afresh), more than most of
 these tests' cases do, so tests whose cases can run in one process group share one launch.
+Their rank functions import :func:`shared_launch.in_step` by name from this folder, which pytest's
+importlib mode does not put on sys.path; the spawned ranks inherit the parent's sys.path.
 """
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 from moekit.errors import DistributedError
+
+HERE = str(Path(__file__).resolve().parent)
+if HERE not in sys.path:
+    sys.path.append(HERE)
 
 _LAUNCHED: dict = {}
 

@@ -17,6 +17,7 @@ import itertools
 
 import pytest
 import torch
+from shared_launch import in_step
 
 import moekit
 from moekit.distributed import launch
@@ -95,19 +96,6 @@ def _stage_matrix(world):
     quants = (QuantScheme.NONE, QuantScheme.FP8_BLOCK)
     grid = itertools.product(MS[world], (8, 16), (1, 2, 4), quants)
     return [(Ms, E, topk, q, i % 3) for i, (Ms, E, topk, q) in enumerate(grid)]
-
-
-def in_step(rank: int, name: str, part, *args):
-    """``part(rank, *args)`` after a barrier (each part of a shared launch starts with the ranks in
-    step, as in a fresh one); a failure names the rank and the part."""
-    import torch.distributed as dist
-
-    dist.barrier()
-    try:
-        return part(rank, *args)
-    except Exception as e:
-        e.add_note(f"(rank {rank}, {name})")
-        raise
 
 
 def both_levels(rank: int, world: int, stage_matrix: list[tuple], kernel_cases: list | None) -> tuple:

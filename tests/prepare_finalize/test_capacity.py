@@ -15,6 +15,7 @@ import dataclasses
 
 import pytest
 import torch
+from shared_launch import in_step
 
 from moekit.distributed import launch
 from moekit.ep import EPConfig, run_cases
@@ -67,19 +68,6 @@ def stage_cases(rank: int, world: int) -> list[str]:
         if not torch.equal(again, out):
             problems.append(f"rank {rank} Ms={Ms}: a second run gave other bits")
     return problems
-
-
-def in_step(rank: int, name: str, part, *args):
-    """``part(rank, *args)`` after a barrier (each part of a shared launch starts with the ranks in
-    step, as in a fresh one); a failure names the rank and the part."""
-    import torch.distributed as dist
-
-    dist.barrier()
-    try:
-        return part(rank, *args)
-    except Exception as e:
-        e.add_note(f"(rank {rank}, {name})")
-        raise
 
 
 def both_levels(rank: int, world: int, kernel_cases: list) -> tuple:
