@@ -39,8 +39,8 @@ from moekit.cli.notebook_runs import FIGURE_TAG, Result, extract_figures, run_on
 
 
 def repo_root() -> Path:
-    """The checkout that holds ``notebooks/`` (this package's parent), else the cwd."""
-    here = Path(__file__).resolve().parent.parent
+    """The checkout that holds ``notebooks/`` (the parent of the ``moekit`` package), else the cwd."""
+    here = Path(__file__).resolve().parents[2]  # moekit/cli/walkthrough.py -> the checkout
     return here if (here / "notebooks").is_dir() else Path.cwd()
 
 

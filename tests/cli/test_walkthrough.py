@@ -52,3 +52,11 @@ def test_the_parts_are_reexported_as_they_are():
     for name, module in moved.items():
         assert getattr(walkthrough, name) is getattr(module, name), name
     assert not hasattr(walkthrough, "_SPEC_ROOT") and not hasattr(walkthrough, "_MADE")
+
+
+def test_the_checkout_is_found_from_any_folder(tmp_path, monkeypatch):
+    # From another folder the walkthrough still finds the checkout's notebooks (an installed copy
+    # without them falls back to the current folder).
+    monkeypatch.chdir(tmp_path)
+    root = walkthrough.repo_root()
+    assert (root / "notebooks").is_dir() and (root / "moekit" / "cli" / "walkthrough.py").is_file()
