@@ -12,7 +12,6 @@ goes to memory.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -21,9 +20,6 @@ import triton.language as tl
 
 from moekit.device import interpreting
 from moekit.errors import InvalidInputError, QuantizationError
-from moekit.kernels.host_math import cdiv, next_power_of_2
-from moekit.kernels.launch import LeanLauncher, int_spec
-from moekit.kernels.pdl import pdl_begin
 from moekit.quant import FP8, FP8_GROUP, FP8_MAX, TINY_SCALE
 
 
@@ -103,9 +99,7 @@ def _silu_and_mul_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
     FIX_ROUNDING: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
-    pdl_begin(PDL)  # nothing is read before the previous kernel completes
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = (rows[:, None] < R) & (cols[None, :] < H)
@@ -150,34 +144,23 @@ def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.T
     return launch_silu_and_mul(x, out, R, H, x_stride=x.stride(0) if R else 2 * H, out_stride=out.stride(0) if R else H)
 
 
-_SILU = LeanLauncher(_silu_and_mul_kernel, pdl=True)
-
-
-def launch_silu_and_mul(x: torch.Tensor, out: torch.Tensor, rows: int, width: int, *, x_stride: int, out_stride: int,
-                        stream: tuple[int, int] | None = None) -> torch.Tensor:  # fmt: skip
-    """:func:`silu_and_mul` without its checks: ``rows`` rows of ``2 * width`` in ``x`` (``x_stride`` apart)
-    into rows of ``width`` in ``out`` (``out_stride`` apart). Any tensors holding those rows (flat
-    workspaces too) will do. Returns ``out``."""
+def launch_silu_and_mul(
+    x: torch.Tensor, out: torch.Tensor, rows: int, width: int, *, x_stride: int, out_stride: int
+) -> torch.Tensor:
+    """:func:`silu_and_mul` unchecked, on ``rows`` rows of ``2 * width`` in ``x``, ``width`` in ``out`` (any buffer)."""
     if rows == 0 or width == 0:
         return out
-    grid, spec, consts = _silu_shape(rows, width, x_stride, out_stride)
-    key = (spec, x.dtype, out.dtype, x.data_ptr() % 16, out.data_ptr() % 16)
-    _SILU(grid, (x, out, rows, width, x_stride, out_stride), key=key, constexprs=lambda: consts, stream=stream)
-    return out
-
-
-@functools.lru_cache(maxsize=4096)
-def _silu_shape(rows: int, width: int, x_stride: int, out_stride: int) -> tuple[tuple, tuple, dict]:
-    """(grid, integer classes, compile-time arguments) of a launch: they follow from the sizes alone."""
     if interpreting():  # few, large programs: the interpreter pays per program
-        BLOCK_H = min(next_power_of_2(width), 256)
+        BLOCK_H = min(triton.next_power_of_2(width), 256)
         BLOCK_R = max(1, 4096 // BLOCK_H)
     else:
-        BLOCK_H = min(next_power_of_2(width), 1024)
+        BLOCK_H = min(triton.next_power_of_2(width), 1024)
         BLOCK_R = max(1, 2048 // BLOCK_H)
-    grid = (cdiv(rows, BLOCK_R), cdiv(width, BLOCK_H))
-    spec = (BLOCK_R, BLOCK_H, int_spec(rows), int_spec(width), int_spec(x_stride), int_spec(out_stride))
-    return grid, spec, dict(BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, FIX_ROUNDING=interpreting())
+    grid = (triton.cdiv(rows, BLOCK_R), triton.cdiv(width, BLOCK_H))
+    _silu_and_mul_kernel[grid](
+        x, out, rows, width, x_stride, out_stride, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, FIX_ROUNDING=interpreting()
+    )
+    return out
 
 
 @triton.jit
@@ -203,9 +186,7 @@ def _silu_and_mul_fp8_group_kernel(
     FP8_MAX: tl.constexpr,
     TINY: tl.constexpr,
     FIX_ROUNDING: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
-    pdl_begin(PDL)  # nothing is read before the previous kernel completes
     g = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = g * GROUP + tl.arange(0, GROUP)
@@ -297,32 +278,32 @@ def silu_and_mul_fp8_group(
         static_scale = static_scale.reshape(-1)
     if R and H and out_q.stride(-1) != 1:
         raise InvalidInputError(f"out_q must have contiguous rows, got strides {out_q.stride()}")
-    return launch_silu_and_mul_fp8_group(x, out_q, out_scale, R, H, group=group, static_scale=static_scale,
-                                         rows_padded=R_pad)  # fmt: skip
-
-
-_SILU_FP8 = LeanLauncher(_silu_and_mul_fp8_group_kernel, pdl=True)
+    return launch_silu_and_mul_fp8_group(
+        x, out_q, out_scale, R, H, group=group, static_scale=static_scale, rows_padded=R_pad
+    )
 
 
 def launch_silu_and_mul_fp8_group(
-    x: torch.Tensor, out_q: torch.Tensor, out_scale: torch.Tensor, rows: int, width: int, *, group: int = FP8_GROUP,
-    static_scale: torch.Tensor | None = None, rows_padded: int | None = None, stream: tuple[int, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """:func:`silu_and_mul_fp8_group` without its checks: ``x`` ``[rows, 2 * width]`` (contiguous rows),
-    ``out_q`` ``[rows, width]``, ``out_scale`` ``[rows, width / group]`` (any strides); a static scale
-    is flat, 1 or ``rows`` elements."""
+    x: torch.Tensor,
+    out_q: torch.Tensor,
+    out_scale: torch.Tensor,
+    rows: int,
+    width: int,
+    *,
+    group: int = FP8_GROUP,
+    static_scale: torch.Tensor | None = None,
+    rows_padded: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`silu_and_mul_fp8_group` unchecked; ``static_scale`` flat, ``rows_padded`` scale rows (zeros past rows)."""
     R_pad = rows if rows_padded is None else rows_padded
     if rows == 0 or width == 0:
         return out_q, out_scale
     static = static_scale is not None
     stride_static = 0 if not static or static_scale.numel() == 1 else static_scale.stride(0)
     BLOCK_R = max(1, (4096 if interpreting() else 1024) // group)
-    grid = (cdiv(R_pad, BLOCK_R), cdiv(width, group))
+    grid = (triton.cdiv(R_pad, BLOCK_R), triton.cdiv(width, group))
     strides = (x.stride(0), out_q.stride(0), out_scale.stride(0), out_scale.stride(1), stride_static)
     args = (x, out_q, out_scale, static_scale if static else out_scale, rows, R_pad, width, *strides)
-    key = (x.dtype, group, BLOCK_R, static, int_spec(rows), int_spec(R_pad), int_spec(width),
-           tuple(int_spec(v) for v in strides), x.data_ptr() % 16, out_q.data_ptr() % 16, out_scale.data_ptr() % 16,
-           static_scale.data_ptr() % 16 if static else 0)  # fmt: skip
-    _SILU_FP8(grid, args, key=key, stream=stream, constexprs=lambda: dict(
-        GROUP=group, BLOCK_R=BLOCK_R, STATIC=static, FP8_MAX=FP8_MAX, TINY=TINY_SCALE, FIX_ROUNDING=interpreting()))
+    consts = dict(GROUP=group, BLOCK_R=BLOCK_R, STATIC=static, FP8_MAX=FP8_MAX, TINY=TINY_SCALE)
+    _silu_and_mul_fp8_group_kernel[grid](*args, **consts, FIX_ROUNDING=interpreting())
     return out_q, out_scale

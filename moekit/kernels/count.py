@@ -33,8 +33,6 @@ import triton.language as tl
 
 from moekit.device import interpreting
 from moekit.errors import InvalidIdsError, InvalidInputError
-from moekit.kernels.host_math import cdiv, next_power_of_2
-from moekit.kernels.launch import LeanLauncher, int_spec, sm_count
 from moekit.validate import check_expert_map, check_ids, check_kernel_device, check_num_experts, check_numel
 
 METHODS = ("histogram", "scan")
@@ -61,11 +59,16 @@ def _local_ids(ids, map_ptr, id_limit, num_local, HAS_MAP: tl.constexpr):
 @triton.jit
 def _count_scan_kernel(
     # Pointers
-    ids_ptr, map_ptr, out_ptr,
+    ids_ptr,
+    map_ptr,
+    out_ptr,
     # Sizes
-    numel, id_limit, num_local,
+    numel,
+    id_limit,
+    num_local,
     # Meta-parameters
-    HAS_MAP: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_MAP: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     p = tl.program_id(0)  # the local expert this program counts
     offs = tl.arange(0, BLOCK)
@@ -89,11 +92,18 @@ def _load_tile(ids_ptr, t, num_tiles, numel, BLOCK: tl.constexpr):
 @triton.jit(do_not_specialize=["numel"])  # numel changes with every chunk: no recompiles
 def _count_histogram_kernel(
     # Pointers
-    ids_ptr, map_ptr, out_ptr,
+    ids_ptr,
+    map_ptr,
+    out_ptr,
     # Sizes
-    numel, id_limit, num_local,
+    numel,
+    id_limit,
+    num_local,
     # Meta-parameters
-    HAS_MAP: tl.constexpr, BLOCK: tl.constexpr, NUM_BINS: tl.constexpr, MASKED: tl.constexpr,
+    HAS_MAP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NUM_BINS: tl.constexpr,
+    MASKED: tl.constexpr,
     SOLO: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -119,17 +129,22 @@ def _count_histogram_kernel(
         tl.atomic_add(out_ptr + bins, hist, mask=keep & (hist > 0), sem="relaxed")
 
 
-_SCAN = LeanLauncher(_count_scan_kernel)
-_HISTOGRAM = LeanLauncher(_count_histogram_kernel)
+@functools.cache
+def _sm_count(index: int) -> int:
+    """Streaming multiprocessors of CUDA device ``index`` (asked once per device)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-@functools.lru_cache(maxsize=1024)
-def _histogram_launch(numel: int, bins_needed: int, sms: int) -> tuple[int, int, int, int]:
+def _histogram_launch(numel: int, bins_needed: int, device: torch.device) -> tuple[int, int, int, int]:
     """(block, grid, num_warps, bins) for ``numel > 0`` ids: a tile as large as the input up to
     4096 ids, and at most ``2 x SMs`` programs, each striding over every grid-th tile."""
-    bins = max(32, next_power_of_2(bins_needed))
-    block = min(_BLOCK, max(128, next_power_of_2(numel)))
-    grid = min(cdiv(numel, block), sms * _PROGRAMS_PER_SM)
+    if device.type == "cuda" and not interpreting():
+        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    else:
+        sms = _INTERPRETER_SMS
+    bins = max(32, triton.next_power_of_2(bins_needed))
+    block = min(_BLOCK, max(128, triton.next_power_of_2(numel)))
+    grid = min(triton.cdiv(numel, block), sms * _PROGRAMS_PER_SM)
     return block, grid, max(1, min(16, block // 128)), bins
 
 
@@ -206,38 +221,27 @@ def launch_count(
     method: str = "histogram",
     out: torch.Tensor | None = None,
     masked: bool = _HISTOGRAM_HAS_MASK,
-    stream: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """:func:`count_expert_num_tokens` without its checks, for callers that checked the ids already
-    (the modular kernel's door). ``out``: an int32 ``[num_local_experts]`` destination; ``masked=False``
-    bins invalid ids into a spare bin instead of masking them (what a Triton without the mask does)."""
+    """:func:`count_expert_num_tokens` unchecked, into ``out`` if given; ``masked=False``: bad ids to a spare bin."""
     numel = topk_ids.numel()
     device = topk_ids.device
     if numel == 0:
         return torch.zeros(num_local_experts, dtype=torch.int32, device=device) if out is None else out.zero_()
     limit = expert_map.numel() if expert_map is not None else num_local_experts
     has_map = expert_map is not None
-    map_key = expert_map.dtype if has_map else None
     if method == "scan":
         out = torch.empty(num_local_experts, dtype=torch.int32, device=device) if out is None else out
-        block = next_power_of_2(min(numel, 1024))
-        key = ("scan", topk_ids.dtype, map_key, block, int_spec(numel), int_spec(limit), int_spec(num_local_experts),
-               topk_ids.data_ptr() % 16, out.data_ptr() % 16, 0 if not has_map else expert_map.data_ptr() % 16)  # fmt: skip
-        _SCAN((num_local_experts,), (topk_ids, expert_map, out, numel, limit, num_local_experts), key=key,
-              constexprs=lambda: dict(HAS_MAP=has_map, BLOCK=block), stream=stream)  # fmt: skip
+        block = triton.next_power_of_2(min(numel, 1024))
+        _count_scan_kernel[(num_local_experts,)](
+            topk_ids, expert_map, out, numel, limit, num_local_experts, HAS_MAP=has_map, BLOCK=block
+        )
         return out
-    on_gpu = device.type == "cuda" and not interpreting()
-    sms = sm_count(device.index if device.index is not None else torch.cuda.current_device()) if on_gpu else _INTERPRETER_SMS
-    block, grid, warps, bins = _histogram_launch(numel, num_local_experts + (0 if masked else 1), sms)
+    block, grid, warps, bins = _histogram_launch(numel, num_local_experts + (0 if masked else 1), device)
     solo = grid == 1
     if out is None:
         out = (torch.empty if solo else torch.zeros)(num_local_experts, dtype=torch.int32, device=device)
     elif not solo:
         out.zero_()
-    key = ("hist", topk_ids.dtype, map_key, block, grid == 1, warps, bins, masked, int_spec(limit),
-           int_spec(num_local_experts), topk_ids.data_ptr() % 16, out.data_ptr() % 16,
-           0 if not has_map else expert_map.data_ptr() % 16)  # fmt: skip
-    _HISTOGRAM((grid,), (topk_ids, expert_map, out, numel, limit, num_local_experts), key=key,
-               constexprs=lambda: dict(HAS_MAP=has_map, BLOCK=block, NUM_BINS=bins, MASKED=masked, SOLO=solo,
-                                       num_warps=warps), stream=stream)  # fmt: skip
+    consts = dict(HAS_MAP=has_map, BLOCK=block, NUM_BINS=bins, MASKED=masked, SOLO=solo, num_warps=warps)
+    _count_histogram_kernel[(grid,)](topk_ids, expert_map, out, numel, limit, num_local_experts, **consts)
     return out

@@ -20,7 +20,6 @@ import triton.language as tl
 from moekit.device import interpreting
 from moekit.errors import QuantizationError
 from moekit.kernels.activation import quantize_fp8_rows, round_for_store
-from moekit.kernels.host_math import cdiv
 from moekit.quant import FP8, FP8_GROUP, FP8_MAX, TINY_SCALE
 
 
@@ -67,15 +66,13 @@ def quantize_fp8_group(x: torch.Tensor, *, group: int = FP8_GROUP) -> tuple[torc
         raise QuantizationError(f"group must be a positive power of two (128 for DeepGEMM), got {group!r}")
     x = x.contiguous()
     M, K = x.shape
-    G = cdiv(K, group)
+    G = triton.cdiv(K, group)
     q = torch.empty((M, K), dtype=FP8, device=x.device)
     scale = torch.empty((M, G), dtype=torch.float32, device=x.device)
     if M == 0:
         return q, scale
     block_r = 16 if not interpreting() else 64
-    grid = (cdiv(M, block_r), G)
-    _quantize_fp8_group_kernel[grid](
-        x, q, scale, M, K, scale.stride(0), scale.stride(1),
-        GROUP=group, BLOCK_R=block_r, FP8_MAX=FP8_MAX, TINY=TINY_SCALE, FIX_ROUNDING=interpreting(),
-    )
+    grid = (triton.cdiv(M, block_r), G)
+    consts = dict(GROUP=group, BLOCK_R=block_r, FP8_MAX=FP8_MAX, TINY=TINY_SCALE, FIX_ROUNDING=interpreting())
+    _quantize_fp8_group_kernel[grid](x, q, scale, M, K, scale.stride(0), scale.stride(1), **consts)
     return q, scale

@@ -12,17 +12,12 @@ makes two fp32 copies of ``[M, topk, K]`` first, about 5x the bytes.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from moekit.device import interpreting
 from moekit.errors import InvalidInputError
-from moekit.kernels.host_math import cdiv, next_power_of_2
-from moekit.kernels.launch import LeanLauncher, int_spec
-from moekit.kernels.pdl import pdl_begin
 
 
 @triton.jit
@@ -38,9 +33,7 @@ def _weighted_topk_sum_kernel(
     TOPK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
-    pdl_begin(PDL)  # nothing is read before the previous kernel completes
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -76,19 +69,13 @@ def weighted_topk_sum(fused_out: torch.Tensor, topk_weights: torch.Tensor, out: 
     return launch_weighted_topk_sum(fused_out, topk_weights.contiguous(), out)
 
 
-_REDUCE = LeanLauncher(_weighted_topk_sum_kernel, pdl=True)
-
-
-def launch_weighted_topk_sum(fused_out: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor, *,
-                             stream: tuple[int, int] | None = None) -> torch.Tensor:  # fmt: skip
-    """:func:`weighted_topk_sum` without its checks (all three contiguous, shapes as documented there)."""
+def launch_weighted_topk_sum(fused_out: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """:func:`weighted_topk_sum` unchecked (all three contiguous, shapes as documented there)."""
     M, K = out.shape
     if M == 0:
         return out
-    grid, spec, consts = _reduce_shape(M, K, topk_weights.shape[1], _min_programs())
-    key = (spec, fused_out.dtype, topk_weights.dtype, out.dtype, fused_out.data_ptr() % 16,
-           topk_weights.data_ptr() % 16, out.data_ptr() % 16)  # fmt: skip
-    _REDUCE(grid, (fused_out, topk_weights, out, M, K), key=key, constexprs=lambda: consts, stream=stream)
+    grid, consts = _reduce_shape(M, K, _min_programs())
+    _weighted_topk_sum_kernel[grid](fused_out, topk_weights, out, M, K, TOPK=topk_weights.shape[1], **consts)
     return out
 
 
@@ -101,17 +88,16 @@ def _min_programs() -> int:
     return 0 if interpreting() else MIN_PROGRAMS
 
 
-@functools.lru_cache(maxsize=4096)
-def _reduce_shape(M: int, K: int, topk: int, min_programs: int) -> tuple[tuple, tuple, dict]:
-    """(grid, integer classes, compile-time arguments) of a launch: they follow from the sizes alone.
+def _reduce_shape(M: int, K: int, min_programs: int) -> tuple[tuple[int, int], dict]:
+    """(grid, tile sizes and warps) of a launch: they follow from the sizes alone.
 
     Tiles of up to 16 x 1024, shrunk (rows first, then columns down to 256) until the grid has
     ``min_programs`` programs (``MIN_PROGRAMS``) or cannot grow. At M=128, K=2048 the 4 x 1024
     tile gave 64 programs, and the sum took 6.4 us for 4.7 MB (H200 profiler, 2026-12-02).
     Threads keep 8 to 32 elements each."""
-    BLOCK_K = min(1024, next_power_of_2(K))
+    BLOCK_K = min(1024, triton.next_power_of_2(K))
     BLOCK_M = max(1, min(16, 4096 // BLOCK_K))
-    while cdiv(M, BLOCK_M) * cdiv(K, BLOCK_K) < min_programs:
+    while triton.cdiv(M, BLOCK_M) * triton.cdiv(K, BLOCK_K) < min_programs:
         if BLOCK_M > 1:
             BLOCK_M //= 2
         elif BLOCK_K > 256:
@@ -119,6 +105,5 @@ def _reduce_shape(M: int, K: int, topk: int, min_programs: int) -> tuple[tuple, 
         else:
             break
     num_warps = max(1, min(4, BLOCK_M * BLOCK_K // 256))
-    grid = (cdiv(M, BLOCK_M), cdiv(K, BLOCK_K))
-    spec = (topk, BLOCK_M, BLOCK_K, int_spec(M), int_spec(K))
-    return grid, spec, dict(TOPK=topk, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, num_warps=num_warps)
+    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(K, BLOCK_K))
+    return grid, dict(BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, num_warps=num_warps)

@@ -22,7 +22,7 @@ E = 64
 # The scan method runs E_local programs that each read every id: slow in the interpreter, so it
 # gets a subsample of the grid that still covers every topk and every EP size.
 SCAN_CASES = [(1, 2, 1), (4, 6, 2), (8, 8, 4), (11, 2, 1), (19, 6, 2), (127, 8, 4), (128, 2, 1),
-              (405, 6, 2), (1024, 2, 4), (3333, 2, 2)]
+              (405, 6, 2), (1024, 2, 4), (3333, 2, 2)]  # fmt: skip
 
 
 def distinct_ids(M: int, E: int, topk: int, device, dtype=torch.int64) -> torch.Tensor:

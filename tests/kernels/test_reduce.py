@@ -26,7 +26,7 @@ def test_matches_torch(dtype, M, topk, K, narrowed, monkeypatch):
 def test_launch_shape_fills_the_gpu_when_it_can(M, K):
     """Small M gets narrower tiles until MIN_PROGRAMS programs (or 1 x 256 tiles); large M keeps
     16 x 1024-element tiles; every element is covered once and each thread keeps <= 32 elements."""
-    grid, _, c = _reduce_shape(M, K, 8, MIN_PROGRAMS)
+    grid, c = _reduce_shape(M, K, MIN_PROGRAMS)
     bm, bk, warps = c["BLOCK_M"], c["BLOCK_K"], c["num_warps"]
     assert grid == (-(-M // bm), -(-K // bk)) and bm * bk <= 4096
     assert grid[0] * grid[1] >= MIN_PROGRAMS or (bm == 1 and bk <= max(256, K))
