@@ -48,8 +48,8 @@ from benchmarks.triton_tiles import SWEEP, FixedTiles, compile_only
 from moekit import QuantScheme
 from moekit.experts.triton import TritonExperts
 from moekit.kernels.align import moe_align_block_size
-from moekit.kernels.configs import KernelConfig, get_config
-from moekit.kernels.fused_moe import GatedOutput, fused_moe_gemm
+from moekit.hopper.configs import KernelConfig, get_config
+from moekit.hopper.grouped_gemm import GatedOutput, fused_moe_gemm
 from moekit.prepare_finalize.no_ep import NoEPPrepareFinalize
 from moekit.quant import FP8, FP8_GROUP, dequantize_fp8_block, quantize_fp8_block
 from moekit.quant import dequantize_fp8_per_token_group as dq_act

@@ -5,7 +5,7 @@ in this process (one per set of compile-time constants and argument specializati
 numbers that explain a slow tile: ``n_regs`` registers per thread (255 is the ceiling), bytes
 spilled to local memory, and the shared memory the pipeline stages take (at most 227 KiB per
 block on Hopper). Under the interpreter nothing is compiled and the list is empty. The GPU checks
-call it on moekit's private kernels, e.g. ``kernel_reports(fused_moe._fused_moe_kernel)``.
+call it on moekit's private kernels, e.g. ``kernel_reports(grouped_gemm._fused_moe_kernel)``.
 """
 
 from __future__ import annotations

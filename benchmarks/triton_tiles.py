@@ -16,10 +16,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-import moekit.kernels.align as align_mod  # moekit first: it turns the interpreter on before triton loads
-import moekit.kernels.fused_moe as gemm_mod
+import moekit.hopper.grouped_gemm as gemm_mod  # moekit first: it turns the interpreter on before triton loads
+import moekit.kernels.align as align_mod
 from moekit.experts.triton import TritonExperts
-from moekit.kernels.configs import KernelConfig
+from moekit.hopper.configs import KernelConfig
 from moekit.types import ProblemSize
 
 _FLAGS = {"t": "tma", "p": "persistent", "ws": "warp_specialize"}
@@ -95,7 +95,7 @@ class _WarmupOnly:
 def compile_only(threads: int):
     """Inside, GEMM and align launches only compile, in parallel threads; all done on exit.
 
-    moekit launches through ``moekit.kernels.launch.LeanLauncher`` objects that hold the jitted
+    moekit launches through ``moekit.hopper.launch.LeanLauncher`` objects that hold the jitted
     function, so it is their ``fn`` that is swapped (swapping the modules' kernel names would
     change nothing). Variants already kept by a launcher still launch (they are compiled).
     """

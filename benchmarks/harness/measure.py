@@ -218,14 +218,14 @@ class Phases:
 def kernel_phases(fn: Callable[[], object], *, iters: int = 3, top: int = 12, with_pdl: bool = False) -> Phases:
     """Profile ``iters`` calls; sum each kernel's device time (memcpy/memset count as 'other').
 
-    moekit's kernels run without programmatic dependent launch here (``moekit.kernels.pdl``): with it
+    moekit's kernels run without programmatic dependent launch here (``moekit.hopper.pdl``): with it
     a kernel starts before the previous one ends and its profiled time includes that wait, so the
     per-kernel times would overlap (``with_pdl=True`` keeps it, to show that). The layer times
     (``eager_us``, ``graph_us``) keep it on."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from moekit.kernels import pdl
+    from moekit.hopper import pdl
 
     with contextlib.nullcontext() if with_pdl else pdl.disabled():
         fn()

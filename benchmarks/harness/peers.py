@@ -27,12 +27,10 @@ A problem is a :class:`moekit.testing.MoEProblem` (see :mod:`benchmarks.harness.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 
 from benchmarks.harness.common import quant_of
+from benchmarks.harness.peer_base import ExpertPermutation, Peer, permute_by_expert, skipped_peer
 from moekit.errors import InvalidInputError, MoekitError
 from moekit.quant import FP8
 from moekit.testing import MoEProblem
@@ -43,43 +41,8 @@ DEFAULT_PEERS = {"bf16": ("grouped_mm", "triton_kernels", "triton", "triton_fuse
                  "fp8": ("triton", "deep_gemm_triton", "deep_gemm")}
 
 
-@dataclass
-class Peer:
-    """A contender: ``run(problem)`` computes the layer; ``release()`` frees cached workspaces."""
-
-    name: str
-    run: Callable[[MoEProblem], torch.Tensor]
-    release: Callable[[], None] = lambda: None
-    kernel: object = None  # the ModularKernel, when there is one (for its trace)
-    skipped: str = ""  # why this peer cannot run here ("" when it can)
-
-
 # ----------------------------------------------------------------------------------------------
 # The torch._grouped_mm pipeline, in pieces that are tested on the CPU.
-
-
-@dataclass
-class ExpertPermutation:
-    """(token, slot) pairs sorted by expert.
-
-    - ``order`` ``[M*topk]``: sorted position -> flat pair index ``m * topk + j``;
-    - ``token`` ``[M*topk]``: sorted position -> token m;
-    - ``offsets`` int32 ``[E]``: end (exclusive) of each expert's rows, as grouped_mm wants.
-    """
-
-    order: torch.Tensor
-    token: torch.Tensor
-    offsets: torch.Tensor
-
-
-def permute_by_expert(topk_ids: torch.Tensor, num_experts: int) -> ExpertPermutation:
-    """Group the pairs by expert id with a stable argsort; ids must lie in ``[0, E)``."""
-    flat = topk_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    sorted_ids = flat[order].to(torch.int32)
-    bounds = torch.arange(num_experts, device=flat.device, dtype=torch.int32)
-    offsets = torch.searchsorted(sorted_ids, bounds, right=True).to(torch.int32)
-    return ExpertPermutation(order, order // topk_ids.shape[1], offsets)
 
 
 def unpermute_and_reduce(y: torch.Tensor, perm: ExpertPermutation, topk_weights: torch.Tensor):
@@ -109,7 +72,7 @@ def grouped_mm_moe(x: MoEProblem) -> torch.Tensor:
 
 
 def _modular(name: str, experts, chunk_size: int | None, *, graphed: bool = False) -> Peer:
-    from moekit.graphed import GraphedKernel
+    from moekit.hopper.graphed import GraphedKernel
     from moekit.modular_kernel import ModularKernel
     from moekit.prepare_finalize import NoEPPrepareFinalize
 
@@ -124,14 +87,6 @@ def _modular(name: str, experts, chunk_size: int | None, *, graphed: bool = Fals
             kernel.pool.release()
 
     return Peer(name, run, release, kernel)
-
-
-def skipped_peer(name: str, why: str) -> Peer:
-    """A peer that cannot run here: ``skipped`` says why, and ``run`` raises that."""
-    def run(x: MoEProblem) -> torch.Tensor:
-        raise InvalidInputError(f"peer {name} is skipped: {why}")
-
-    return Peer(name, run, skipped=why)
 
 
 def make_peer(name: str, dtype: str, *, chunk_size: int = 1024) -> Peer:

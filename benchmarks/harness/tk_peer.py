@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from benchmarks.harness.peers import Peer, permute_by_expert
+from benchmarks.harness.peer_base import Peer, permute_by_expert, skipped_peer
 from moekit.errors import InvalidInputError
 from moekit.testing import MoEProblem
 
@@ -187,8 +187,6 @@ class TritonKernelsLayer:
 
 def make_tk_peer(name: str, dtype: str) -> Peer:
     """The ``triton_kernels`` peer, or a skipped one that says why it cannot run here."""
-    from benchmarks.harness.peers import skipped_peer
-
     if dtype != "bf16":
         return skipped_peer(name, "triton_kernels takes per-tensor or microscaling fp8 factors, not 128x128 blocks")
     found = locate()

@@ -43,9 +43,9 @@ def test_nothing_compiled_means_an_empty_report():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or moekit.device.interpreting(), reason="needs a CUDA GPU")
 def test_grouped_gemm_report_on_a_gpu():
+    from moekit.hopper.configs import KernelConfig
+    from moekit.hopper.grouped_gemm import _fused_moe_kernel, fused_moe_gemm
     from moekit.kernels.align import moe_align_block_size
-    from moekit.kernels.configs import KernelConfig
-    from moekit.kernels.fused_moe import _fused_moe_kernel, fused_moe_gemm
 
     ids = torch.randint(0, 4, (64, 2), device="cuda")
     a, w = torch.randn(64, 128, device="cuda").bfloat16(), torch.randn(4, 256, 128, device="cuda").bfloat16()

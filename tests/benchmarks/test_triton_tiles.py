@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks import triton_tiles
-from moekit.kernels.configs import KernelConfig
+from moekit.hopper.configs import KernelConfig
 
 
 def test_a_spec_reads_as_its_config():

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Decode tiles (the table's first bf16 bucket, r = M * topk / E <= 1) with deeper pipelines, as whole layers.
 
-    python3 benchmarks/gpu_decode_tiles.py [--shape qwen3_30b_a3b] [--M 1 8] [--rounds 3]
+    python3 benchmarks/research/gpu_decode_tiles.py [--shape qwen3_30b_a3b] [--M 1 8] [--rounds 3]
 
 At M=1 the grouped GEMMs stream a few experts' weights with one 16-row block each, so a program's
 speed is set by the bytes it keeps in flight (stages x tile) and the grid by BLOCK_N. The committed
@@ -23,7 +23,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import moekit  # noqa: I001  (before triton: sets the interpreter up on a CPU-only machine)
 import torch
@@ -64,7 +64,8 @@ def sweep(sets, candidates: dict, rounds: int) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python3 benchmarks/gpu_decode_tiles.py", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python3 benchmarks/research/gpu_decode_tiles.py",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="qwen3_30b_a3b", choices=sorted(SHAPES))
     ap.add_argument("--M", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--rounds", type=int, default=3)

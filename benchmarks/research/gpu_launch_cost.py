@@ -7,7 +7,7 @@ with the bound arguments (what a lean launch path would do). Also times ``torch.
 query, and the forward's host time (synchronized before each call, so the GPU never blocks it)
 with a cProfile of it::
 
-    python -m benchmarks.gpu_launch_cost [--calls 2000] [--out DIR]
+    python -m benchmarks.research.gpu_launch_cost [--calls 2000] [--out DIR]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import triton
 from triton.runtime import driver
@@ -120,7 +120,7 @@ def profile_text(fn, calls: int, top: int) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu_launch_cost")
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.research.gpu_launch_cost")
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The align's three paths at the sizes between them: what sets ``align.SMALL_MAX`` and ``MEDIUM_MAX``.
 
-    python3 benchmarks/gpu_align_paths.py [--E 128] [--topk 8] [--M 1 2 4 8 16 32 64 128 256] [--rounds 5]
+    python3 benchmarks/research/gpu_align_paths.py [--E 128] [--topk 8] [--M 1 2 4 8 16 32 64 128 256] [--rounds 5]
 
 ``moekit.kernels.align`` runs one program for up to one tile of pairs (``"one program"``), one
 launch whose programs each count every pair themselves (``"one launch"``), or count, scan and
@@ -24,7 +24,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import moekit  # noqa: I001  (before triton: sets the interpreter up on a CPU-only machine)
 import torch
@@ -77,7 +77,8 @@ def case(M: int, E: int, topk: int, block_m: int, rounds: int) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python3 benchmarks/gpu_align_paths.py", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python3 benchmarks/research/gpu_align_paths.py",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--E", type=int, default=128)
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--M", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])

@@ -5,7 +5,7 @@ machine's host speed), ``count_expert_num_tokens`` (scan and histogram, per-chun
 whole Qwen3-30B-A3B layer at M=1, and at M=16384 in chunks of 8192 sorted rows (host time per
 call while the GPU is busy: the enqueue cost alone), then a cProfile of both call trees::
 
-    python -m benchmarks.host_profile [--calls 300] [--top 30]
+    python -m benchmarks.research.host_profile [--calls 300] [--top 30]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import moekit
 from moekit import roofline
@@ -50,7 +50,7 @@ def host_us(fn, calls: int) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.host_profile")
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.research.host_profile")
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--top", type=int, default=30)
     args = ap.parse_args(argv)

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """The one-hot product count (``benchmarks.variants.count_dot``) against moekit's histogram, on a GPU.
 
-    python3 benchmarks/gpu_count_dot.py          # H200, about a minute
-    python3 benchmarks/gpu_count_dot.py --smoke  # CPU interpreter: exactness only
+    python3 benchmarks/research/gpu_count_dot.py          # H200, about a minute
+    python3 benchmarks/research/gpu_count_dot.py --smoke  # CPU interpreter: exactness only
 
 Every launch shape is checked exact against ``count_reference`` first, then timed in the same
 process as ``moekit.count_expert_num_tokens``: ``graph`` (20 calls in one CUDA graph, per call)
@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import moekit  # noqa: I001  (first: it turns the interpreter on without a GPU)
 import torch

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Split-K decode GEMMs at the Qwen3-30B-A3B bf16 shape, against the table's GEMMs (a measurement, not a path).
 
-    python3 benchmarks/gpu_split_k_decode.py            # M=1 and M=8; MS="1 2 4" for others
+    python3 benchmarks/research/gpu_split_k_decode.py            # M=1 and M=8; MS="1 2 4" for others
 
 At M=1 the table's GEMM1 (16x128x128) runs 96 programs on 132 SMs and GEMM2 128, each streaming
 one expert's column slice: is the weight stream short of programs? Here each tile's K range is
@@ -25,7 +25,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import moekit  # noqa: I001  (before triton: sets the interpreter up on a CPU-only machine)
 import torch
@@ -36,8 +36,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from benchmarks.harness import measure
 from moekit.kernels.align import launch_align
 from moekit.kernels.activation import launch_silu_and_mul
-from moekit.kernels.configs import get_config
-from moekit.kernels.fused_moe import launch_gemm
+from moekit.hopper.configs import get_config
+from moekit.hopper.grouped_gemm import launch_gemm
 from moekit.kernels.reduce import launch_weighted_topk_sum
 from moekit.testing import make_problem
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The grouped GEMMs' tiles at large M: one program per tile against the persistent kernel, on a GPU.
 
-    python3 benchmarks/gpu_persistent_sweep.py [--shapes qwen3_30b_a3b:4096,...] [--rounds 5]
+    python3 benchmarks/research/gpu_persistent_sweep.py [--shapes qwen3_30b_a3b:4096,...] [--rounds 5]
 
 For each (shape, M), bf16, uniform routing, three GEMMs as ``TritonExperts`` runs them: GEMM1 into
 ``[M, topk, 2I]`` (then ``silu_and_mul``, timed too), GEMM1 with silu_and_mul in its epilogue
@@ -13,7 +13,7 @@ medians (L2 flushed), contenders interleaved in a shuffled order, ``--rounds`` r
 of those; ``nvidia-smi`` logs the SM clock beside it (``$OUT/clocks.csv``). The
 registers and spills of every compiled variant are printed at the end. Writes
 ``$OUT/gpu_persistent_sweep.json`` when OUT is set. The winners go into
-``moekit/configs/fused_moe.json`` by hand, with the run's file beside them in benchmarks/results.
+``moekit/hopper/fused_moe_tiles.json`` by hand, with the run's file beside them in benchmarks/results.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import sys
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import moekit  # noqa: F401,I001  (before triton: sets the interpreter up on a CPU-only machine)
 import torch
@@ -39,10 +39,10 @@ from benchmarks.kernel_report import kernel_reports
 from benchmarks.triton_tiles import C
 from moekit.kernels.activation import silu_and_mul
 from moekit.kernels.align import moe_align_block_size
-from moekit.kernels.configs import get_config
-from moekit.kernels.fused_moe import GatedOutput, _fused_moe_kernel, fused_moe_gemm
-from moekit.kernels.gemm_args import RowWindow
-from moekit.kernels.persistent_gemm import _persistent_moe_kernel
+from moekit.hopper.configs import get_config
+from moekit.hopper.grouped_gemm import GatedOutput, _fused_moe_kernel, fused_moe_gemm
+from moekit.hopper.gemm_args import RowWindow
+from moekit.hopper.persistent_gemm import _persistent_moe_kernel
 from moekit.roofline import SHAPES
 
 _WIDE = ["128x256x64 g8 w8 s3 t p", "128x256x64 g8 w8 s4 t p", "128x256x64 g8 w8 s3 t p ws",

@@ -2,7 +2,7 @@
 """The whole layer at large M under the two plans: token chunks (GEMM1 writes each pair's row) against
 one chunk of sorted rows (GEMM1 writes by sorted position, GEMM2 reads its activation there through TMA).
 
-    python3 benchmarks/gpu_layer_plans.py [--shapes qwen3_30b_a3b:16384,deepseek_v3:16384] [--rounds 5]
+    python3 benchmarks/research/gpu_layer_plans.py [--shapes qwen3_30b_a3b:16384,deepseek_v3:16384] [--rounds 5]
 
 Four kernels per shape: ``chunk_by="tokens"`` (one chunk) and ``chunk_by="rows"`` with R above the
 layout's rows (one chunk), each with ``fuse_activation`` off and on; bf16, uniform routing. Every output
@@ -21,7 +21,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import moekit  # noqa: I001  (before triton: sets the interpreter up on a CPU-only machine)
 import torch

@@ -4,7 +4,7 @@ Wraps the modular kernel's phases (door, prepare, plan, count, call, trace, the 
 finalize) in timers and prints microseconds per forward for Qwen3-30B-A3B bf16 at M=1, then a
 cProfile of the same calls (top entries by own time)::
 
-    python -m benchmarks.host_phases [--calls 2000] [--M 1] [--trace-counts 0|1]
+    python -m benchmarks.research.host_phases [--calls 2000] [--M 1] [--trace-counts 0|1]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import moekit
 from moekit.experts import TritonExperts
@@ -44,7 +44,7 @@ def wrap(owner, name: str, label: str, acc: dict) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.host_phases")
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.research.host_phases")
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--M", type=int, default=1)
     ap.add_argument("--trace-counts", type=int, default=1)

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""The layer with and without programmatic dependent launch (``moekit.kernels.pdl``), in one process.
+"""The layer with and without programmatic dependent launch (``moekit.hopper.pdl``), in one process.
 
-    python3 benchmarks/gpu_pdl.py [--shape qwen3_30b_a3b] [--M 1 8 128 1024 4096] [--rounds 5]
-    python3 benchmarks/gpu_pdl.py --compare steps    # the align/reduce launch shapes, new / old
-    python3 benchmarks/gpu_pdl.py --compare pairs --M 1 2 4   # decode without the align, by PAIR_MAX
+    python3 benchmarks/research/gpu_pdl.py [--shape qwen3_30b_a3b] [--M 1 8 128 1024 4096] [--rounds 5]
+    python3 benchmarks/research/gpu_pdl.py --compare steps    # the align/reduce launch shapes, new / old
+    python3 benchmarks/research/gpu_pdl.py --compare pairs --M 1 2 4   # decode without the align, by PAIR_MAX
 
 For each M and both ``TritonExperts`` pipelines (``fuse_activation`` off and on), bf16, uniform
 routing, with and without PDL (``--compare steps``: with the align's one-launch path for up to
@@ -31,15 +31,16 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import moekit  # noqa: I001  (before triton: sets the interpreter up on a CPU-only machine)
 import torch
 
 from benchmarks.harness import common, measure
 from moekit.experts import TritonExperts
-from moekit.kernels import align, pair_blocks, pdl, reduce
-from moekit.kernels.configs import KernelConfig
+from moekit.hopper import pair_blocks, pdl
+from moekit.hopper.configs import KernelConfig
+from moekit.kernels import align, reduce
 from moekit.modular_kernel import ModularKernel
 from moekit.prepare_finalize import NoEPPrepareFinalize
 from moekit.roofline import SHAPES
@@ -49,7 +50,7 @@ SETS = 8
 
 
 def _parse(argv):
-    ap = argparse.ArgumentParser(prog="python3 benchmarks/gpu_pdl.py", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python3 benchmarks/research/gpu_pdl.py", description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="qwen3_30b_a3b", choices=sorted(SHAPES))
     ap.add_argument("--compare", default="pdl", choices=sorted(COMPARISONS))
     ap.add_argument("--M", type=int, nargs="+", default=[1, 8, 128, 1024, 4096])
@@ -96,7 +97,7 @@ def _old_steps():
 
 @contextlib.contextmanager
 def _pair_max(limit: int):
-    """TritonExperts skips the align up to ``limit`` pairs (``moekit.kernels.pair_blocks.PAIR_MAX``)."""
+    """TritonExperts skips the align up to ``limit`` pairs (``moekit.hopper.pair_blocks.PAIR_MAX``)."""
     saved = pair_blocks.PAIR_MAX
     pair_blocks.PAIR_MAX = limit
     try:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """GEMM1 with silu_and_mul in its epilogue against GEMM1 then the activation kernel, on a GPU.
 
-    python3 benchmarks/gpu_gated_gemm1.py [--shapes qwen3_30b_a3b:4096,qwen3_30b_a3b:16384]
+    python3 benchmarks/research/gpu_gated_gemm1.py [--shapes qwen3_30b_a3b:4096,qwen3_30b_a3b:16384]
 
 For each (shape, M), bf16, uniform routing: the unfused pair as ``TritonExperts`` runs it (the
 table's GEMM1 tile into a ``[M, topk, 2I]`` workspace, then ``silu_and_mul``) against gated
@@ -19,7 +19,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import moekit  # noqa: F401,I001  (before triton: sets the interpreter up on a CPU-only machine)
 import torch
@@ -30,9 +30,9 @@ from benchmarks.harness.common import environment
 from benchmarks.triton_tiles import C
 from moekit.kernels.activation import silu_and_mul
 from moekit.kernels.align import moe_align_block_size
-from moekit.kernels.configs import get_config
+from moekit.hopper.configs import get_config
 from benchmarks.kernel_report import kernel_reports
-from moekit.kernels.fused_moe import GatedOutput, _fused_moe_kernel, fused_moe_gemm
+from moekit.hopper.grouped_gemm import GatedOutput, _fused_moe_kernel, fused_moe_gemm
 from moekit.roofline import SHAPES
 
 GATED = ["128x128x64 g8 w8 s3", "128x128x64 g8 w8 s3 t", "128x128x64 g8 w8 s4 t",

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Each grouped GEMM of a MoE layer against vLLM's Triton kernel: same process, same layout.
 
-    python3 benchmarks/gpu_gemm_vs_vllm.py [--shape qwen3_30b_a3b] [--M 4096 16384]
+    python3 benchmarks/research/gpu_gemm_vs_vllm.py [--shape qwen3_30b_a3b] [--M 4096 16384]
         [--vllm third_party/vllm_fused_moe_kernel.py] [--before third_party/moekit_fused_moe_074e1a4.py]
 
 Both GEMMs (GEMM1 = hidden x w1, GEMM2 = activations x w2) run on one ``moe_align_block_size``
@@ -26,7 +26,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import moekit  # noqa: F401,I001  (before triton: sets the interpreter up on a CPU-only machine)
 import torch
@@ -34,9 +34,9 @@ import triton
 import triton.language as tl
 
 from moekit.kernels.align import moe_align_block_size
-from moekit.kernels.configs import KernelConfig, get_config
+from moekit.hopper.configs import KernelConfig, get_config
 from benchmarks.kernel_report import kernel_reports
-from moekit.kernels.fused_moe import _fused_moe_kernel, fused_moe_gemm
+from moekit.hopper.grouped_gemm import _fused_moe_kernel, fused_moe_gemm
 from moekit.roofline import SHAPES
 
 # vLLM's H200 entries for E=128, N=768 (Qwen3-30B-A3B at TP 1), by batch size (vLLM takes the
