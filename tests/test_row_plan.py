@@ -15,6 +15,7 @@ import torch
 from moekit.errors import ChunkSizeError, InvalidInputError, QuantizationError
 from moekit.experts import DeepGemmExperts, TritonExperts, TritonOrDeepGemmExperts
 from moekit.experts.grouped_mm import GroupedMMExperts
+from moekit.hopper.experts import HopperTritonExperts
 from moekit.modular_kernel import ModularKernel
 from moekit.prepare_finalize import NoEPPrepareFinalize
 from moekit.reference import count_reference, local_expert_ids
@@ -25,9 +26,9 @@ from moekit.types import QuantScheme
 FP8 = QuantScheme.FP8_BLOCK
 EXPERTS = {
     "triton-fp32": (lambda: TritonExperts(), torch.float32, QuantScheme.NONE),
-    "triton-bf16-fused": (lambda: TritonExperts(fuse_activation=True), torch.bfloat16, QuantScheme.NONE),
+    "triton-bf16-fused": (lambda: HopperTritonExperts(fuse_activation=True), torch.bfloat16, QuantScheme.NONE),
     "triton-fp8": (lambda: TritonExperts(quant=FP8), torch.bfloat16, FP8),
-    "triton-fp8-fused": (lambda: TritonExperts(quant=FP8, fuse_activation=True), torch.bfloat16, FP8),
+    "triton-fp8-fused": (lambda: HopperTritonExperts(quant=FP8, fuse_activation=True), torch.bfloat16, FP8),
     "deep_gemm": (lambda: DeepGemmExperts(), torch.bfloat16, FP8),
     "triton_or_deep_gemm": (lambda: TritonOrDeepGemmExperts(quant=FP8), torch.bfloat16, FP8),
 }
