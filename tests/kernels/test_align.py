@@ -1,4 +1,5 @@
-"""moe_align_block_size against a plain-Python stable sort (exact, entry by entry)."""
+"""The book's align (moekit.kernels.align: count, scan, scatter) against a plain-Python stable sort,
+exact, entry by entry. The wing's fast paths are checked against it in tests/hopper/test_align.py."""
 
 from __future__ import annotations
 
@@ -6,8 +7,15 @@ import pytest
 import torch
 
 from moekit.errors import InvalidIdsError, InvalidInputError
-from moekit.kernels import align
-from moekit.kernels.align import MEDIUM_MAX, TILE, max_padded_size, moe_align_block_size
+from moekit.kernels.align import (
+    TILE,
+    align_shape,
+    launch_align,
+    launch_chunk_counts,
+    max_padded_size,
+    moe_align_block_size,
+)
+from moekit.reference import count_reference
 from moekit.routing import contiguous_expert_map
 from moekit.testing import expect_raises
 
@@ -53,22 +61,14 @@ def align_spec_torch(topk_ids, block_m, E, expert_map=None, *, num_local=None, k
     rows = starts[bucket] + torch.arange(bucket.numel(), device=flat.device) - first[bucket]
     sorted_ids = torch.full((int(padded.sum()),), flat.numel(), dtype=torch.long, device=flat.device)
     sorted_ids[rows] = idx[order]
-    locals_ = torch.arange(E + 1, device=flat.device) if expert_map is None else torch.cat(
-        [expert_map.long(), torch.tensor([-1], device=flat.device)])  # fmt: skip
+    locals_ = (
+        torch.arange(E + 1, device=flat.device)
+        if expert_map is None
+        else torch.cat([expert_map.long(), torch.tensor([-1], device=flat.device)])
+    )
     locals_[E] = -1
     experts = torch.repeat_interleave(locals_, padded // block_m)
     return sorted_ids.tolist(), experts.tolist(), int(padded.sum())
-
-
-@pytest.fixture(params=["as dispatched", "one launch", "three launches"])
-def many_tiles(request, monkeypatch):
-    """Every input goes the path its size picks (one program, one launch of many programs, or
-    count, scan and scatter), and each multi-program path forced for every size."""
-    limits = {"one launch": (0, 1 << 30), "three launches": (0, 0)}.get(request.param)
-    if limits:
-        monkeypatch.setattr(align, "SMALL_MAX", limits[0])
-        monkeypatch.setattr(align, "MEDIUM_MAX", limits[1])
-    return request.param
 
 
 def check_against_spec(out, topk_ids, block_m, E, expert_map=None, *, spec=None, **kw):
@@ -89,7 +89,7 @@ def check_against_spec(out, topk_ids, block_m, E, expert_map=None, *, spec=None,
 @pytest.mark.parametrize("numel_shape", [(1, 1), (3, 2), (16, 8), (17, 8), (100, 3)])
 @pytest.mark.parametrize("block_m", [1, 4, 16, 64])
 @pytest.mark.parametrize("E", [1, 7, 16])
-def test_matches_spec(many_tiles, device, numel_shape, block_m, E):
+def test_matches_spec(device, numel_shape, block_m, E):
     topk_ids = torch.randint(-1, E, numel_shape, device=device, dtype=torch.int32)
     out = moe_align_block_size(topk_ids, block_m, E)
     check_against_spec(out, topk_ids, block_m, E)
@@ -109,7 +109,7 @@ def test_docstring_example(device):
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("world, rank", [(2, 0), (2, 1), (4, 3)])
 @pytest.mark.parametrize("M", [5, 70])
-def test_expert_map_gives_minus_one_blocks(many_tiles, device, dtype, world, rank, M):
+def test_expert_map_gives_minus_one_blocks(device, dtype, world, rank, M):
     E, topk = 16, 4
     E_local = E // world
     emap = torch.full((E,), -1, dtype=dtype, device=device)
@@ -127,7 +127,7 @@ def test_expert_map_gives_minus_one_blocks(many_tiles, device, dtype, world, ran
 
 
 @pytest.mark.parametrize("numel_shape", [(5, 2), (60, 4)])
-def test_keep_empty_places_every_pair(many_tiles, device, numel_shape):
+def test_keep_empty_places_every_pair(device, numel_shape):
     E = 6
     topk_ids = torch.randint(-1, E + 2, numel_shape, device=device, dtype=torch.int64)  # ids >= E too
     out = moe_align_block_size(topk_ids, 4, E, num_local_experts=4, keep_empty=True)
@@ -137,7 +137,7 @@ def test_keep_empty_places_every_pair(many_tiles, device, numel_shape):
     assert sorted(placed[placed < topk_ids.numel()].tolist()) == list(range(topk_ids.numel()))
 
 
-def test_stable_order_across_many_tiles(many_tiles, device):
+def test_stable_order_across_many_tiles(device):
     # Three tiles of ids, almost all to expert 1: its run must list pairs in increasing order.
     topk_ids = torch.ones(3 * TILE + 5, 1, device=device, dtype=torch.int32)
     topk_ids[::7] = 0
@@ -157,7 +157,7 @@ def test_torch_spec_agrees_with_list_spec(device, block_m):
         assert align_spec_torch(topk_ids, block_m, E, m, **kw) == align_spec(topk_ids, block_m, E, m, **kw)
 
 
-def test_many_tiles_fewer_than_buckets(many_tiles, device):
+def test_many_tiles_fewer_than_buckets(device):
     # 3 tiles own 17 buckets' padding between them (each program pads buckets t, t + 3, ...).
     E = 16
     topk_ids = torch.randint(-1, E, (2 * TILE + 9, 1), device=device, dtype=torch.int32)
@@ -177,8 +177,7 @@ def test_realistic_sizes_on_gpu(device, M, block_m, mapped):
     topk_ids[::5, -1] = -1  # some empty slots
     emap = (torch.arange(E, device=device, dtype=torch.int32) - 32) if mapped else None  # 32 remote experts
     kw = dict(num_local=96, keep_empty=True) if mapped else {}
-    out = moe_align_block_size(topk_ids, block_m, E, emap, num_local_experts=kw.get("num_local"),
-                               keep_empty=mapped)  # fmt: skip
+    out = moe_align_block_size(topk_ids, block_m, E, emap, num_local_experts=kw.get("num_local"), keep_empty=mapped)
     check_against_spec(out, topk_ids, block_m, E, emap, spec=align_spec_torch, **kw)
 
 
@@ -186,6 +185,9 @@ def test_empty_input(device):
     out = moe_align_block_size(torch.empty(0, 2, dtype=torch.int32, device=device), 16, 8)
     assert out.num_tokens_post_padded.tolist() == [0]
     assert out.sorted_token_ids.numel() == 0 and out.expert_ids.numel() == 0
+    out = launch_align(torch.empty(0, dtype=torch.int64, device=device), 4, 8, keep_empty=True)
+    assert out.num_tokens_post_padded.tolist() == [0] and out.max_padded == 0
+    assert launch_chunk_counts(out, 128, 8).shape == (0, 8)
 
 
 def test_errors(device):
@@ -202,11 +204,8 @@ def test_errors(device):
 
 @pytest.mark.parametrize("R", [128, 256, 384])
 @pytest.mark.parametrize("with_map", [False, True])
-def test_chunk_counts_are_each_chunks_own_rows_per_local_expert(many_tiles, R, with_map, device):
+def test_chunk_counts_are_each_chunks_own_rows_per_local_expert(R, with_map, device):
     """One launch counts every chunk of R sorted rows; each row equals counting that chunk's pairs."""
-    from moekit.kernels.align_layout import launch_chunk_counts
-    from moekit.reference import count_reference
-
     E, num_local = 8, 4 if with_map else 8
     ids = torch.randint(-1, E, (300, 2), dtype=torch.int32, device=device)
     emap = contiguous_expert_map(E, 2, 1, device=device) if with_map else None
@@ -219,29 +218,36 @@ def test_chunk_counts_are_each_chunks_own_rows_per_local_expert(many_tiles, R, w
     assert torch.equal(got.sum(0), count_reference(ids, num_local, emap).cpu().to(torch.int32))
 
 
-@pytest.mark.parametrize("numel", [7, 3 * TILE + 5, MEDIUM_MAX + 9])
-@pytest.mark.parametrize("with_map", [False, True])
-def test_counts_are_pairs_per_local_expert(many_tiles, numel, with_map, device):
-    """``counts=True`` writes what count_expert_num_tokens returns, on every path (one program,
-    one launch of many, three launches); the layout itself is unchanged by asking for it."""
-    from moekit.kernels.align import launch_align
-    from moekit.reference import count_reference
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("numel", [1, TILE, TILE + 1, 3000])
+@pytest.mark.parametrize("mapped", [False, True])
+def test_launch_align_unchecked(device, dtype, numel, mapped):
+    """launch_align is moe_align_block_size without the checks: the same layout, from one tile to thousands
+    of pairs (ids past E too), with a map whose remote experts and kept empty slots share bucket E."""
+    E, num_local = 16, 5 if mapped else 16
+    ids = torch.randint(-1, E + 2, (numel,), dtype=dtype, device=device)
+    emap = (torch.randperm(E, device=device, dtype=dtype) % 7 - 2) if mapped else None
+    blocks = launch_align(ids, 16, E, emap, num_local_experts=num_local, keep_empty=mapped)
+    check_against_spec(blocks, ids, 16, E, emap, num_local=num_local, keep_empty=mapped, spec=align_spec_torch)
+    again = moe_align_block_size(ids, 16, E, emap, num_local_experts=num_local, keep_empty=mapped)
+    for name in ("sorted_token_ids", "expert_ids", "num_tokens_post_padded"):  # the gaps between them are unset
+        assert torch.equal(getattr(again, name), getattr(blocks, name)), name
 
-    E, num_local = 16, 5 if with_map else 16
-    ids = torch.randint(-1, E, (numel, 1), dtype=torch.int32, device=device)
-    emap = (torch.randperm(E, device=device, dtype=torch.int32) % 7 - 2) if with_map else None  # 5 local, some shared
-    kw = dict(num_local_experts=num_local, keep_empty=True)
-    blocks = launch_align(ids, 16, E, emap, counts=True, **kw)
-    assert torch.equal(blocks.counts.cpu(), count_reference(ids, num_local, emap).cpu().to(torch.int32))
-    check_against_spec(blocks, ids, 16, E, emap, num_local=num_local, keep_empty=True, spec=align_spec_torch)
+
+def test_thousands_of_pairs_against_the_list_spec(device):
+    E = 24
+    ids = torch.randint(-1, E, (700, 4), dtype=torch.int64, device=device)
+    emap = contiguous_expert_map(E, 3, 2, device=device)
+    out = moe_align_block_size(ids, 32, E, emap, num_local_experts=E // 3, keep_empty=True)
+    check_against_spec(out, ids, 32, E, emap, num_local=E // 3, keep_empty=True)
 
 
-def test_limits_pick_the_launches():
-    """The dispatch itself: one program up to TILE pairs, one launch up to MEDIUM_MAX, three past it."""
-    shape = align._align_shape
-    assert shape(TILE, 8, 8, 16, False, TILE, MEDIUM_MAX).small
-    mid = shape(TILE + 1, 8, 8, 16, False, TILE, MEDIUM_MAX)
-    assert mid.medium and not mid.small and mid.num_tiles == 2 and mid.totals_off == mid.counts_off
-    assert shape(TILE, 8, 8, 16, False, 0, MEDIUM_MAX).medium  # the limits move the paths
-    big = shape(MEDIUM_MAX + 1, 8, 8, 16, False, TILE, MEDIUM_MAX)
-    assert not big.medium and not big.small and big.size > big.totals_off
+def test_shape_of_the_buffer():
+    """One AlignShape per size; the pieces of the buffer follow each other on 32-entry boundaries."""
+    sh = align_shape(TILE * 3 + 1, 8, 6, 16)
+    assert sh is align_shape(TILE * 3 + 1, 8, 6, 16)
+    assert sh.num_tiles == 4 and sh.tile == TILE and sh.max_padded == max_padded_size(TILE * 3 + 1, 9, 16)
+    assert sh.max_blocks * 16 == sh.max_padded and sh.num_bins > sh.E + 1
+    assert 0 < sh.expert_off < sh.post_off < sh.counts_off < sh.totals_off < sh.size
+    assert all(off % 32 == 0 for off in (sh.expert_off, sh.post_off, sh.counts_off, sh.totals_off, sh.size))
+    assert sh.totals_off - sh.counts_off >= (sh.E + 1) * sh.num_tiles and sh.owned * sh.num_tiles >= sh.E + 1
