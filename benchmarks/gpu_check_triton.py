@@ -46,7 +46,7 @@ import triton
 
 from benchmarks.triton_tiles import SWEEP, FixedTiles, compile_only
 from moekit import QuantScheme
-from moekit.experts.triton import TritonExperts
+from moekit.hopper.experts import HopperTritonExperts
 from moekit.kernels.align import moe_align_block_size
 from moekit.hopper.configs import KernelConfig, get_config
 from moekit.hopper.grouped_gemm import GatedOutput, fused_moe_gemm
@@ -139,14 +139,14 @@ class Case:
 
     def layer(self, configs=None, fused=False):
         if configs is None:
-            experts = TritonExperts(quant=self.quant, fuse_activation=fused)
+            experts = HopperTritonExperts(quant=self.quant, fuse_activation=fused)
         else:
             experts = FixedTiles(configs, quant=self.quant, fuse_activation=fused)
         mk = moekit.ModularKernel(NoEPPrepareFinalize(), experts, trace_counts=False)
         return lambda: mk(self.hidden, self.wa, self.wb, self.weights, self.ids, **self.scales)
 
     def experts_alone(self):
-        experts, E = TritonExperts(quant=self.quant), self.E
+        experts, E = HopperTritonExperts(quant=self.quant), self.E
         placement = ExpertPlacement(E, E)
         prepared = NoEPPrepareFinalize().prepare(self.hidden, self.weights, self.ids, quant=self.quant,
                                                  placement=placement)  # fmt: skip

@@ -43,7 +43,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import moekit  # noqa: E402
-from moekit.experts import TritonExperts  # noqa: E402
+from moekit.hopper.experts import HopperTritonExperts  # noqa: E402
 from moekit.prepare_finalize import NoEPPrepareFinalize  # noqa: E402
 
 E, TOPK, K, N = 128, 8, 2048, 1536  # Qwen3-30B-A3B: hidden 2048, intermediate 768
@@ -121,7 +121,7 @@ def weights():
 
 def layer_rows(w1, w2, calls: int, quick: bool) -> list[dict]:
     rows = []
-    plain = moekit.ModularKernel(NoEPPrepareFinalize(), TritonExperts())
+    plain = moekit.ModularKernel(NoEPPrepareFinalize(), HopperTritonExperts())
     for M in (1, 128) if quick else (1, 8, 128, 1024, 4096):
         sets = [inputs(M, w1, seed) for seed in range(SETS)]
         fns = [lambda s=s: plain(s[0], w1, w2, s[1], s[2]) for s in sets]
@@ -132,7 +132,7 @@ def layer_rows(w1, w2, calls: int, quick: bool) -> list[dict]:
         rows.append(row)
         print(json.dumps(row), flush=True)
     for C in (128, 64, 32, 16):  # host per further chunk, at M=128
-        kernel = moekit.ModularKernel(NoEPPrepareFinalize(), TritonExperts(), chunk_size=C)
+        kernel = moekit.ModularKernel(NoEPPrepareFinalize(), HopperTritonExperts(), chunk_size=C)
         s = inputs(128, w1, 0)
         fn = lambda k=kernel, s=s: k(s[0], w1, w2, s[1], s[2])
         row = {"case": "host per chunk", "M": 128, "C": C, "chunks": 128 // C, "host_us": host_us(fn)}
@@ -146,7 +146,7 @@ def rows_rows(w1, w2, calls: int) -> list[dict]:
     sets = [inputs(16384, w1, seed) for seed in range(SETS)]
     for name, kw in (("one chunk", {}), ("rows R=8192", dict(chunk_size=8192, chunk_by="rows")),
                      ("tokens C=1024", dict(chunk_size=1024))):  # fmt: skip
-        kernel = moekit.ModularKernel(NoEPPrepareFinalize(), TritonExperts(), **kw)
+        kernel = moekit.ModularKernel(NoEPPrepareFinalize(), HopperTritonExperts(), **kw)
         fns = [lambda k=kernel, s=s: k(s[0], w1, w2, s[1], s[2]) for s in sets]
         n = max(24, calls // 40)
         row = {"case": "M=16384 " + name, "M": 16384, "eager_us": wall_us(fns, n), "graph_us": graph_us(fns, n),

@@ -16,10 +16,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+import moekit.hopper.align as align_mod
 import moekit.hopper.grouped_gemm as gemm_mod  # moekit first: it turns the interpreter on before triton loads
-import moekit.kernels.align as align_mod
-from moekit.experts.triton import TritonExperts
 from moekit.hopper.configs import KernelConfig
+from moekit.hopper.experts import HopperTritonExperts
 from moekit.types import ProblemSize
 
 _FLAGS = {"t": "tma", "p": "persistent", "ws": "warp_specialize"}
@@ -113,8 +113,8 @@ def compile_only(threads: int):
             launcher.fn = fn
 
 
-class FixedTiles(TritonExperts):
-    """TritonExperts with fixed ``(GEMM1, GEMM2)`` tiles instead of the committed table's."""
+class FixedTiles(HopperTritonExperts):
+    """HopperTritonExperts with fixed ``(GEMM1, GEMM2)`` tiles instead of the committed table's."""
 
     def __init__(self, configs: tuple[KernelConfig, KernelConfig], **kwargs):
         super().__init__(**kwargs)

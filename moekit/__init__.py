@@ -23,16 +23,15 @@ __version__ = "0.1.0"
 _LAZY = {
     "count_expert_num_tokens": ("moekit.kernels.count", "count_expert_num_tokens"),
     "ModularKernel": ("moekit.modular_kernel", "ModularKernel"),
-    "GraphedKernel": ("moekit.graphed", "GraphedKernel"),
+    "GraphedKernel": ("moekit.hopper.graphed", "GraphedKernel"),
     "fused_moe": ("moekit.api", "fused_moe"),
     "Trace": ("moekit.trace", "Trace"),
     "ChunkRecord": ("moekit.trace", "ChunkRecord"),
 }
 
 
-_SUBMODULES = {"api", "backends", "cli", "ep", "experts", "graphed", "integrations", "kernels", "modular_kernel",
-               "plan", "policies", "prepare_finalize", "roofline", "testing", "trace", "validate", "viz", "widgets",
-               "workspace"}
+_SUBMODULES = {"api", "backends", "cli", "ep", "experts", "hopper", "integrations", "kernels", "modular_kernel",
+               "plan", "prepare_finalize", "roofline", "testing", "trace", "validate", "viz", "widgets", "workspace"}
 
 
 def __getattr__(name):

@@ -13,7 +13,7 @@ Under the interpreter, importing moekit also:
 - warns about Triton < 3.7 with numpy >= 2.4: that interpreter crashes on every kernel with a
   loop bounded at run time ("only 0-dimensional arrays can be converted to Python scalars"); a
   moekit launch that meets the crash raises BackendUnavailableError with the advice
-  (:func:`interpreter_advice`, read by ``moekit.kernels.launch``);
+  (:func:`interpreter_advice`, read by ``moekit.hopper.launch``);
 - makes interpreted launches take turns, process-wide (:func:`_serialize_interpreted_launches`).
 """
 
@@ -223,6 +223,15 @@ def has_tma(device: torch.device | None = None) -> bool:
         return False
     index = torch.cuda.current_device() if device is None or device.index is None else device.index
     return _capability_major(index) >= 9
+
+
+def is_hopper(device: torch.device | None = None) -> bool:
+    """True on a compute capability 9.x GPU (an H100 or H200), where the wing's kernels
+    (:mod:`moekit.hopper`) are the default. False under the interpreter."""
+    if _INTERPRETING or not torch.cuda.is_available():
+        return False
+    index = torch.cuda.current_device() if device is None or device.index is None else device.index
+    return _capability_major(index) == 9
 
 
 @functools.cache

@@ -15,8 +15,8 @@
           trace.add(chunk, backend, shapes, counts)
       return prepare_finalize.finalize(output, prepared)    # [M, K]
 
-Two policies replay the pre-fix loop for teaching (:mod:`moekit.policies`); neither is the
-default. The chunk loop existed in this form for about a month before the fix: #19168 added it
+Two policies replay the pre-fix loop for teaching (the strategy classes at the end of this
+file); neither is the default. The chunk loop existed in this form for about a month before the fix: #19168 added it
 to the modular kernel on 2025-06-11, #20392 fixed it on 2025-07-10.
 
 - ``workspace_policy="once"``: shapes declared once, for the first chunk, serve every chunk.
@@ -39,20 +39,21 @@ import threading
 
 import torch
 
-from moekit.errors import FormatMismatchError, InvalidInputError, MoekitError, QuantizationError
+from moekit.errors import FormatMismatchError, InvalidInputError, MoekitError, QuantizationError, WorkspaceShapeError
 from moekit.experts.base import Experts
-from moekit.kernels.launch import launch_stream
-from moekit.plan import Batch, RowPlanner, SlabPlanner, TokenPlanner, validate_chunk_size
-from moekit.policies import (
-    METADATA_POLICIES,
-    WORKSPACE_POLICIES,
-    DeclaredOnceWorkspaces,
-    PerChunkWorkspaces,
-    check_policy,
-)
+from moekit.plan import Batch, Chunk, RowPlanner, SlabPlanner, TokenPlanner, validate_chunk_size
 from moekit.prepare_finalize.base import PrepareFinalize
 from moekit.trace import Trace
-from moekit.types import ActivationFormat, ExpertPlacement, MoEWeights, Prepared, ProblemSize, problem_size
+from moekit.types import (
+    ActivationFormat,
+    ExpertPlacement,
+    ExpertTokensMetadata,
+    MoEWeights,
+    Prepared,
+    ProblemSize,
+    WorkspaceShapes,
+    problem_size,
+)
 from moekit.validate import (
     SeenValues,
     check_flag,
@@ -83,8 +84,8 @@ class ModularKernel:
         workspace_policy: ``"per_chunk"`` (the fix) or ``"once"`` (pre-fix, for teaching).
         metadata_policy: ``"per_chunk"`` (the fix) or ``"whole_batch"`` (pre-fix).
         guard: moekit's stricter checks (see the module docstring); False replays upstream.
-        trace_counts: record tokens per expert for each chunk (one small count-kernel launch per
-            chunk, shared with the per-chunk metadata; no host sync).
+        trace_counts: record tokens per expert for each chunk (the count kernel, launched once per
+            chunk and shared with the per-chunk metadata; no host sync).
         pool: a :class:`WorkspacePool` to share between layers; by default each kernel has its own.
 
     A kernel (and a pool) serves one forward at a time: concurrent calls from several threads
@@ -215,16 +216,15 @@ class ModularKernel:
         self._local.trace = trace
         if M == 0 and not self.prepare_finalize.collective:  # upstream divided by zero here (#26523)
             return hidden.new_empty((0, K))
-        stream = launch_stream(hidden.device)
         pool = self.pool if self._given_pool else self._own_pool(hidden.device)
         with pool.lock:
-            pool.follow(stream)
+            pool.follow()
             prepared = self.prepare_finalize.prepare(
                 hidden, topk_weights, topk_ids, quant=self.experts.quant, placement=placement
             )
             out_dtype = self.experts.compute_dtype(hidden.dtype)
             batch = Batch(prepared, weights, placement, self._rows_problem(prepared, problem), out_dtype, a2_scale,
-                          self.guard, stream)  # fmt: skip
+                          self.guard)  # fmt: skip
             fused_out = self._experts_pass(batch, pool, trace)
             output = torch.empty((M, K), dtype=hidden.dtype, device=hidden.device)
             return self.prepare_finalize.finalize(fused_out, prepared, output=output)
@@ -232,44 +232,27 @@ class ModularKernel:
     __call__ = forward
 
     def _experts_pass(self, batch: Batch, pool: WorkspacePool, trace: Trace) -> torch.Tensor:
-        """The loop: each chunk of the plan is counted, sized, handed its buffers, run and recorded."""
+        """The loop of the module docstring: each chunk is counted, sized, handed its buffers, run and recorded."""
         plan = self.planner.plan(self.experts, batch, pool)
         trace.expert_rows, whole_meta = batch.problem.M, batch.prepared.tokens_meta
-        per_expert = batch.weights.expert_bytes
         for chunk in plan.chunks:
-            counts = self._counts(plan, chunk, whole_meta)
+            counts = self._counts(plan, chunk, whole_meta)  # count_expert_num_tokens(ids[s:e]): bug 2's fix
             meta = self.metadata.tokens_meta(whole_meta, counts, single=plan.single)
-            own = plan.shapes(chunk, meta)
+            own = plan.shapes(chunk, meta)  # experts.workspace_shapes(M=e-s): bug 1's fix
             given = self.workspaces.given(own, chunk, plan)
-            fill = counts is None and self.trace_counts
-            call = plan.call(chunk, pool.take(given), own, counts, meta, fill_counts=fill)
-            record = trace.add(chunk, plan.backend(chunk), given, own, call.output, counts, per_expert)
-            self._run(plan, chunk, call, record)
+            call = plan.call(chunk, pool.take(given), own, counts, meta)
+            record = trace.add(chunk, plan.backend(chunk), given, own, call.output, counts, batch.weights.expert_bytes)
+            backend = plan.run(self.experts, call)
+            record.finish(backend, self.experts.why(call.problem), counts)
         trace.peak_workspace_bytes = pool.peak_bytes
         return plan.output
 
-    def _run(self, plan, chunk, call, record) -> None:
-        """One chunk's experts; the record of a chunk that failed still gets the chunk's counts."""
-        try:
-            backend = plan.run(self.experts, call)
-        except Exception:
-            if record.counts is None and self.trace_counts:  # the trace of a failed chunk still shows its routing
-                try:
-                    record.counts = plan.count(chunk)
-                except Exception:  # the chunk's own error is the one to see
-                    pass
-            raise
-        record.finish(backend, self.experts.why(call.problem), call.counts)
-
     def _counts(self, plan, chunk, whole_meta) -> torch.Tensor | None:
-        """This chunk's rows per local expert, counted at most once: for its metadata, its experts
-        and its trace. One chunk of every row keeps prepare's counts (they are its own); when only
-        the trace wants them and the experts count anyway, they fill them in (None here)."""
+        """This chunk's rows per local expert, counted once (for its metadata, its experts and its
+        trace), or None when nobody asks. One chunk of every row keeps prepare's counts: they are its own."""
         if plan.single and whole_meta is not None:
             return whole_meta.expert_num_tokens
-        if self.experts.uses_tokens_meta or (whole_meta is not None and self.metadata.recounts):
-            return plan.count(chunk)
-        if self.trace_counts and not plan.fills_counts:
+        if self.trace_counts or self.experts.uses_tokens_meta or (whole_meta is not None and self.metadata.recounts):
             return plan.count(chunk)
         return None
 
@@ -320,3 +303,98 @@ class ModularKernel:
         rows = prepared.a1q.shape[1 if self.experts.activation_format is ActivationFormat.BATCHED else 0]
         return ProblemSize(rows, problem.N, problem.K, prepared.topk_ids.shape[1], problem.global_num_experts,
                            problem.num_local_experts)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
+# What the loop hands each chunk: its workspaces and its tokens per expert.
+#
+# Each question has two answers, one small strategy each. The first is PR #20392's fix and the
+# default; the second replays the parent commit (41060c6e0), for teaching:
+#
+# - workspaces: the fix computes workspace_shapes(M=e-s) per chunk, so each chunk gets what its
+#   backend declared for its M; "once" calls workspace_shapes(M=C) once and every chunk carves its
+#   caches out of those buffers (prefix views, as upstream's _resize_cache did).
+# - tokens per expert: the fix recounts count_expert_num_tokens(ids[s:e]) per chunk; "whole_batch"
+#   hands every chunk the counts that prepare returned for all M.
+#
+# Under "once" a smaller chunk of the same backend fits in the leading elements of the buffers
+# declared for the first chunk, which is why the pre-fix loop worked until a dispatching experts
+# class switched backend between chunks. moekit's guard (on by default) refuses a chunk whose own
+# layout differs from the one declared once, before the experts run; with the guard off the chunk
+# runs in those buffers, as upstream's did.
+
+
+def same_layout(own: WorkspaceShapes, declared: WorkspaceShapes) -> bool:
+    """Whether ``own`` is ``declared`` with at most as many rows: the same backend at a smaller M."""
+    if own.dtype != declared.dtype:
+        return False
+    pairs = ((own.workspace13, declared.workspace13), (own.workspace2, declared.workspace2))
+    return all(len(a) == len(b) and (not a or (a[1:] == b[1:] and a[0] <= b[0])) for a, b in pairs)
+
+
+class PerChunkWorkspaces:
+    """The fix: every chunk gets the buffers it declared."""
+
+    name = "per_chunk"
+
+    def given(self, own: WorkspaceShapes, chunk: Chunk, plan) -> WorkspaceShapes:
+        return own
+
+
+class DeclaredOnceWorkspaces:
+    """Before the fix: the shapes declared for the first chunk serve every chunk."""
+
+    name = "once"
+
+    def __init__(self, experts, *, guard: bool):
+        self.experts, self.guard = experts, guard  # the experts are named in the guard's message
+
+    def given(self, own: WorkspaceShapes, chunk: Chunk, plan) -> WorkspaceShapes:
+        declared = plan.declared_once()
+        if self.guard and not same_layout(own, declared):
+            raise WorkspaceShapeError(self._message(own, declared, chunk, plan))
+        return declared
+
+    def _message(self, own: WorkspaceShapes, d: WorkspaceShapes, chunk: Chunk, plan) -> str:
+        return (
+            f"workspace_policy='once': {self.experts.name} declared its workspaces once, for the first chunk, as "
+            f"workspace13={d.workspace13}, workspace2={d.workspace2} ({d.dtype}). Chunk {chunk.index} "
+            f"(tokens [{chunk.start}, {chunk.end}), M={chunk.size}) runs backend '{plan.backend(chunk)}', "
+            f"which declares workspace13={own.workspace13}, workspace2={own.workspace2}. This is "
+            "bug 1 of vLLM PR #20392: a dispatching experts class may change backend between "
+            "chunks, so workspace shapes must be computed per chunk (workspace_policy='per_chunk'). "
+            "(moekit's guard; upstream had no such check: ModularKernel(guard=False) replays it.)"
+        )
+
+
+class PerChunkCounts:
+    """The fix: a chunk is handed its own tokens per expert (recounted; prepare's for one chunk of every row)."""
+
+    name = "per_chunk"
+    recounts = True
+
+    def tokens_meta(self, whole: ExpertTokensMetadata | None, counts, *, single: bool) -> ExpertTokensMetadata | None:
+        if whole is None or single:
+            return whole
+        # The CPU copy is blocking on purpose: consumers size buffers from it (upstream #20903).
+        return ExpertTokensMetadata.from_counts(counts, with_cpu=whole.expert_num_tokens_cpu is not None)
+
+
+class WholeBatchCounts:
+    """Before the fix: every chunk is handed the counts prepare returned for the whole batch."""
+
+    name = "whole_batch"
+    recounts = False
+
+    def tokens_meta(self, whole: ExpertTokensMetadata | None, counts, *, single: bool) -> ExpertTokensMetadata | None:
+        return whole
+
+
+WORKSPACE_POLICIES = ("per_chunk", "once")
+METADATA_POLICIES = {"per_chunk": PerChunkCounts, "whole_batch": WholeBatchCounts}
+
+
+def check_policy(value, allowed, name: str) -> str:
+    if not isinstance(value, str) or value not in allowed:
+        raise InvalidInputError(f"{name} must be one of {tuple(allowed)}, got {value!r}")
+    return value

@@ -283,16 +283,13 @@ class ExpertsCall:
       ``prod(shapes.workspace2)`` long; ``apply`` carves its caches out of their first elements
       (what upstream's ``_resize_cache`` did);
     - ``counts``: int32 ``[E_local]`` rows of this chunk per local expert on the device, counted
-      once by the modular kernel (None when nobody needs them before ``apply``). When only the trace
-      wants them (``fill_counts``), experts that compute them anyway (``Experts.counts_in_apply``)
-      store them here instead, and the kernel launches no count of its own;
+      once by the modular kernel with ``count_expert_num_tokens`` (None when neither the experts,
+      the metadata policy nor the trace asks for them);
     - ``tokens_meta``: the tokens per local expert the chunk is handed (this chunk's, or, under
       ``metadata_policy="whole_batch"``, the whole batch's: bug 2), or None;
     - ``a2_scale``: a static scale for the fp8 requantization between the GEMMs, or None;
     - ``guard``: run moekit's own consistency checks (for example that ``tokens_meta`` describes
-      these rows). False replays what upstream did without them (``ModularKernel(guard=False)``);
-    - ``stream``: ``(device index, raw CUDA stream)`` for the launches, or None (the interpreter,
-      or: query it).
+      these rows). False replays what upstream did without them (``ModularKernel(guard=False)``).
     """
 
     chunk: Chunk
@@ -310,8 +307,6 @@ class ExpertsCall:
     tokens_meta: ExpertTokensMetadata | None = None
     a2_scale: torch.Tensor | None = None
     guard: bool = True
-    stream: tuple[int, int] | None = None
-    fill_counts: bool = False
 
     @property
     def expert_map(self) -> torch.Tensor | None:

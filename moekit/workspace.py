@@ -74,7 +74,7 @@ class WorkspacePool:
         self._buffer, self._out = empty, empty
         self._views: dict[WorkspaceShapes, WorkspaceBuffers] = {}
         self._out_views: dict[tuple, torch.Tensor] = {}
-        self._stream = None
+        self._last = None  # the CUDA stream of the last forward
 
     def __getstate__(self) -> dict:
         return {"device": self.device, "grows": self.grows, "requests": self.requests, "peak_bytes": self.peak_bytes}
@@ -139,20 +139,15 @@ class WorkspacePool:
         self._out_views[key] = view
         return view
 
-    def follow(self, stream: tuple[int, int] | None) -> None:
-        """Before a forward on ``stream`` (``moekit.kernels.launch.launch_stream``): if the pool was last
-        used on another stream, the new one waits for the old one (its kernels may still read the buffers).
-
-        Raises:
-            InvalidInputError: ``stream`` is on another GPU than the pool (:meth:`check_device`), before
-                any buffer is handed out.
-        """
-        if stream is None or stream == self._stream:
+    def follow(self) -> None:
+        """Before a forward: if the pool was last used on another CUDA stream, the current stream
+        waits for that one first (its kernels may still read the buffers)."""
+        if self.device.type != "cuda":
             return
-        self.check_device(torch.device("cuda", stream[0]))
-        if self._stream is not None and not torch.cuda.is_current_stream_capturing():
-            torch.cuda.current_stream(self.device).wait_stream(self._last)
-        self._stream, self._last = stream, torch.cuda.current_stream(self.device)
+        current = torch.cuda.current_stream(self.device)
+        if self._last is not None and current != self._last and not torch.cuda.is_current_stream_capturing():
+            current.wait_stream(self._last)
+        self._last = current
 
     def release(self) -> None:
         """Free the memory (the next take allocates again)."""

@@ -58,7 +58,7 @@ def _seed():
 def _verify_lean_launches():
     """Where kernels compile (a GPU), every direct launch of a kept variant is cross-checked against
     Triton's own binder: a launch key that misses a specialization fails the test that made it."""
-    from moekit.kernels.launch import lean_supported, verifying
+    from moekit.hopper.launch import lean_supported, verifying
 
     if not lean_supported():
         yield

@@ -78,7 +78,7 @@ def test_importing_moekit_with_that_interpreter_warns():
 
 def test_a_launch_that_meets_the_crash_names_it(monkeypatch):
     from moekit.errors import BackendUnavailableError
-    from moekit.kernels import launch
+    from moekit.hopper import launch
     from moekit.testing import expect_raises
 
     def crashing(grid):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 WIDTH = 44  # the column the descriptions start at
-DATA = {"fused_moe.json": "the Hopper tile table of the grouped GEMM (moekit.kernels.configs)"}
+DATA = {"fused_moe_tiles.json": "the Hopper tile table of the grouped GEMM (moekit.hopper.configs)"}
 
 
 def first_line(path: Path) -> str:

@@ -15,9 +15,10 @@ A problem is a :class:`moekit.testing.MoEProblem` (see :mod:`benchmarks.harness.
 - ``triton_kernels``: OpenAI's triton_kernels ``matmul_ogs`` (persistent TMA GEMMs, SwiGLU fused in
   GEMM1, routing weights and the top-k sum in GEMM2), routed from the problem's ids; optional,
   detected, skipped with the reason when absent (:mod:`benchmarks.harness.tk_peer`).
-- ``triton`` / ``triton_chunked``: moekit's TritonExperts through ModularKernel, one chunk or
+- ``triton`` / ``triton_chunked``: moekit's HopperTritonExperts (the wing) through ModularKernel, one chunk or
   chunks of C tokens; ``triton_fused``: one chunk with silu_and_mul in GEMM1's epilogue
-  (``TritonExperts(fuse_activation=True)``); ``triton_graphed``: the one-chunk kernel through ``moekit.GraphedKernel``
+  (``HopperTritonExperts(fuse_activation=True)``); ``triton_graphed``: the one-chunk kernel through
+  ``moekit.GraphedKernel``
   (its eager time is a CUDA-graph replay per call; inside the harness's own capture it runs the
   plain forward).
 - ``deep_gemm`` / ``deep_gemm_triton``: DeepGemmExperts (fp8 block) on the real deep_gemm, or on
@@ -35,10 +36,21 @@ from moekit.errors import InvalidInputError, MoekitError
 from moekit.quant import FP8
 from moekit.testing import MoEProblem
 
-PEERS = ("grouped_mm", "triton_kernels", "triton", "triton_fused", "triton_graphed", "triton_chunked", "deep_gemm",
-         "deep_gemm_triton", "triton_or_deep_gemm")
-DEFAULT_PEERS = {"bf16": ("grouped_mm", "triton_kernels", "triton", "triton_fused", "triton_chunked"),
-                 "fp8": ("triton", "deep_gemm_triton", "deep_gemm")}
+PEERS = (
+    "grouped_mm",
+    "triton_kernels",
+    "triton",
+    "triton_fused",
+    "triton_graphed",
+    "triton_chunked",
+    "deep_gemm",
+    "deep_gemm_triton",
+    "triton_or_deep_gemm",
+)
+DEFAULT_PEERS = {
+    "bf16": ("grouped_mm", "triton_kernels", "triton", "triton_fused", "triton_chunked"),
+    "fp8": ("triton", "deep_gemm_triton", "deep_gemm"),
+}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -107,10 +119,10 @@ def make_peer(name: str, dtype: str, *, chunk_size: int = 1024) -> Peer:
         return make_tk_peer(name, dtype)
     try:
         if name in ("triton", "triton_fused", "triton_graphed", "triton_chunked"):
-            from moekit.experts import TritonExperts
+            from moekit.hopper.experts import HopperTritonExperts  # the wing: the harness measures H200 speed
 
             chunk = chunk_size if name == "triton_chunked" else None
-            experts = TritonExperts(quant=quant, fuse_activation=name == "triton_fused")
+            experts = HopperTritonExperts(quant=quant, fuse_activation=name == "triton_fused")
             return _modular(name, experts, chunk, graphed=name == "triton_graphed")
         if name == "triton_or_deep_gemm":
             from moekit.experts import TritonOrDeepGemmExperts

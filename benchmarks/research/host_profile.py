@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import moekit
 from moekit import roofline
-from moekit.experts import TritonExperts
+from moekit.hopper.experts import HopperTritonExperts
 from moekit.prepare_finalize import NoEPPrepareFinalize
 from moekit.testing import make_problem
 
@@ -58,10 +58,12 @@ def main(argv=None) -> int:
     ids = torch.randint(0, 64, (128, 8), device="cuda", dtype=torch.int32)
     shape = roofline.get_shape("qwen3_30b_a3b")
     p = make_problem(1, E=shape.E, topk=shape.topk, K=shape.K, N=shape.N, dtype=torch.bfloat16, device="cuda")
-    kernel = moekit.ModularKernel(NoEPPrepareFinalize(), TritonExperts(), trace_counts=False)
-    graphed = moekit.GraphedKernel(moekit.ModularKernel(NoEPPrepareFinalize(), TritonExperts(), trace_counts=False))
+    kernel = moekit.ModularKernel(NoEPPrepareFinalize(), HopperTritonExperts(), trace_counts=False)
+    graphed = moekit.GraphedKernel(
+        moekit.ModularKernel(NoEPPrepareFinalize(), HopperTritonExperts(), trace_counts=False)
+    )
     big = make_problem(16384, E=shape.E, topk=shape.topk, K=shape.K, N=shape.N, dtype=torch.bfloat16, device="cuda")
-    row_kernel = moekit.ModularKernel(NoEPPrepareFinalize(), TritonExperts(), chunk_size=8192, chunk_by="rows",
+    row_kernel = moekit.ModularKernel(NoEPPrepareFinalize(), HopperTritonExperts(), chunk_size=8192, chunk_by="rows",
                                 trace_counts=False)  # fmt: skip
     timed = {
         "bare triton launch": lambda: _noop_kernel[(1,)](x, 64, BLOCK=64),

@@ -56,9 +56,6 @@ class Experts(ABC):
     supports_row_chunks: ClassVar[bool] = False
     supports_expert_map: ClassVar[bool] = True
     uses_tokens_meta: ClassVar[bool] = False
-    # apply computes the chunk's tokens per local expert anyway (its align does) and stores them in
-    # call.counts when call.fill_counts asks: the modular kernel then launches no count for its trace.
-    counts_in_apply: ClassVar[bool] = False
 
     def __init__(self, *, quant: QuantScheme = QuantScheme.NONE):
         if not isinstance(quant, QuantScheme):

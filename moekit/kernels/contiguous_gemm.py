@@ -37,8 +37,8 @@ import triton.language as tl
 
 from moekit.device import has_tma, interpreting
 from moekit.errors import InvalidInputError
+from moekit.hopper.tma import tma_descriptor, weight_descriptor
 from moekit.kernels.host_math import cdiv, next_power_of_2
-from moekit.kernels.tma import tma_descriptor, weight_descriptor
 from moekit.quant import FP8, FP8_GROUP
 from moekit.types import ALIGN_M
 

@@ -5,87 +5,168 @@ Shapes (numel = M * topk (token, slot) pairs, E local experts, BM = BLOCK_M)::
     a         [rows_a, K]     GEMM1: hidden [M, K] (pair i reads row i // topk)
                               GEMM2: activations [M * topk, K] (pair i reads row i)
     w         [E, N, K]       one [N, K] matrix per expert (w1, or w2 with N = hidden size)
-    out       [M, topk, N]    out[m, j] = pair (m, j)'s result, unweighted (GEMM1: workspace13,
-                              GEMM2: the experts' output); pairs evenly strided
-    blocks    AlignedBlocks   BM-row blocks of pairs, one expert each (moe_align_block_size),
-              or PairBlocks   one pair per block, its expert read from topk_ids (decode)
-    fp8 only: a_scale [rows_a, K/128] (1x128 groups), w_scale [E, N/128, K/128] (128x128 blocks)
+    out       [M, topk, N]    out[m, j] = pair (m, j)'s result, unweighted
+    blocks    AlignedBlocks   BM-row blocks of pairs, one expert each (moe_align_block_size)
+    fp8 only: a_scale [rows_a, K/128] (1 x 128 groups), w_scale [E, N/128, K/128] (128 x 128 blocks)
 
-One program computes a ``BLOCK_M x BLOCK_N`` tile: the rows of one block (all the same expert)
-times a column slice of that expert's matrix. Rows are gathered through ``sorted_token_ids``,
-so nothing is permuted in memory. A block of a remote expert (expert id -1) writes zeros.
-GEMM1 can also finish with silu_and_mul (and the fp8 requantization) in its epilogue
-(:class:`GatedOutput`), so the ``[M, topk, N]`` product never goes to memory. With
-``KernelConfig.tma`` the weight tiles come through a TMA descriptor (fewer registers and
-address instructions); the gathered activation rows always use per-thread async copies. The
-padding rows of a block load nothing (masked), and with ``KernelConfig.TAIL_M`` a block holding
-at most ``TAIL_M`` real rows (an expert's last) runs a ``TAIL_M``-row tile. Side by side with
-vLLM's kernel on an H200: ``benchmarks/gpu_gemm_vs_vllm.py``; registers, spills and shared
-memory of the compiled variants: ``benchmarks.kernel_report.kernel_reports(_fused_moe_kernel)``.
+The algorithm (fp32 accumulation; fp8 dequantizes every k-step with its two scales)::
+
+    for block in range(num_tokens_post_padded // BM):         # one program per (block, column tile)
+        e = expert_ids[block]
+        for i in sorted_token_ids[block * BM : (block + 1) * BM]:
+            if i == numel:                                     # padding row
+                continue
+            out[i] = 0 if e == -1 else a[i // pairs_per_row] @ w[e].T
+
+One program computes a ``BLOCK_M x BLOCK_N`` tile: the rows of one block (all of one expert)
+times a column slice of that expert's matrix, like the Triton tutorial's matmul with one gather:
+the rows come through ``sorted_token_ids``, so nothing is permuted in memory. A block of a
+remote expert (expert id -1) writes zeros. The grid is sized by an upper bound on the blocks (no
+host sync): programs past ``num_tokens_post_padded`` return at once.
+
+A chunk of sorted rows (``ModularKernel(chunk_by="rows")``) computes only rows ``[start, end)`` of
+the layout (:class:`RowWindow`), reading or writing them by their position in the chunk: GEMM1
+gathers tokens and writes the chunk's workspace row by row, GEMM2 reads that workspace and
+writes each pair's output row.
+
+The Hopper wing (:mod:`moekit.hopper.grouped_gemm`) computes the same tiles with TMA, fused
+epilogues, a persistent walk and PDL; its tests hold it to this kernel.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moekit.device import interpreting
+from moekit.errors import InvalidInputError, QuantizationError
+from moekit.kernels.activation import round_for_store
 from moekit.kernels.align import AlignedBlocks
-from moekit.kernels.align_kernels import _bucket_of
-from moekit.kernels.configs import KernelConfig
-from moekit.kernels.gemm_args import GatedOutput, RowWindow, check_gemm_args
-from moekit.kernels.gemm_tile import _tile
-from moekit.kernels.host_math import cdiv
-from moekit.kernels.launch import LeanLauncher, sm_count
-from moekit.kernels.pair_blocks import PairBlocks
-from moekit.kernels.pdl import pdl_begin
-from moekit.kernels.persistent_gemm import INTERPRETER_SMS, _persistent_moe_kernel
-from moekit.kernels.tma import tma_descriptor, weight_descriptor
-from moekit.quant import FP8, FP8_GROUP, FP8_MAX, TINY_SCALE
+from moekit.quant import FP8, FP8_GROUP
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _weight_descriptor(w: torch.Tensor, config: KernelConfig) -> TensorDescriptor | None:
-    """``w`` as ``[E * N, K]`` in ``[BLOCK_N, BLOCK_K]`` boxes, or None where TMA cannot read it."""
-    return weight_descriptor(w, [config.BLOCK_N, config.BLOCK_K])
+@dataclass(frozen=True)
+class Tiles:
+    """Launch shape of one grouped GEMM: ``BLOCK_M`` rows by ``BLOCK_N`` columns per program,
+    stepping ``BLOCK_K`` along K; ``GROUP_M`` row blocks share one sweep over the columns (so an
+    expert's weight tiles are reused from L2). Tile sizes are powers of two >= 16."""
+
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_K: int
+    GROUP_M: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise InvalidInputError(f"{type(self).__name__}.{name} must be a positive int, got {value!r}")
+        for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise InvalidInputError(f"{type(self).__name__}.{name} must be a power of two >= 16, got {value}")
+
+    @property
+    def launch(self) -> dict:
+        """Keyword arguments for a kernel launch (the tile shape, warps and stages); a new dict."""
+        return dict(
+            BLOCK_M=self.BLOCK_M,
+            BLOCK_N=self.BLOCK_N,
+            BLOCK_K=self.BLOCK_K,
+            GROUP_M=self.GROUP_M,
+            num_warps=self.num_warps,
+            num_stages=self.num_stages,
+        )
 
 
-def _rows_descriptor(a: torch.Tensor, config: KernelConfig) -> TensorDescriptor | None:
-    """Activations read by position (``[rows, K]`` in ``[BLOCK_M, BLOCK_K]`` boxes: a tile's rows are
-    consecutive there), or None where TMA cannot read them."""
-    return tma_descriptor(a, [config.BLOCK_M, config.BLOCK_K])
+# Few, large programs under the interpreter: its cost is per program and per k-step, not per
+# element (BLOCK_K = 128 also suits fp8: one scale pair per k-step).
+INTERPRETER_TILES = Tiles(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=1)
 
 
-@triton.jit(do_not_specialize=["numel", "num_blocks", "row_base", "expert_off", "post_off", "num_experts", "num_local"])
+def pick_tiles(rows_per_expert: float, dtype: torch.dtype) -> Tiles:
+    """The book's tile rule: small blocks when few rows go to each expert, larger ones as they grow.
+    The Hopper wing replaces it with a measured table (:mod:`moekit.hopper.configs`)."""
+    if interpreting():
+        return INTERPRETER_TILES
+    block_k = 128 if dtype == FP8 else 64
+    block_m = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 64 else 64
+    return Tiles(BLOCK_M=block_m, BLOCK_N=64 if block_m < 64 else 128, BLOCK_K=block_k)
+
+
+@dataclass(frozen=True)
+class RowWindow:
+    """Rows ``[start, end)`` of the sorted layout that one GEMM call computes, instead of every
+    block of the layout: the GEMMs of a chunk of sorted rows (``ModularKernel(chunk_by="rows")``).
+
+    ``read`` and ``write`` say how rows are addressed: ``"pair"`` through ``sorted_token_ids``
+    (activations row ``pair // pairs_per_row``, output row ``pair``), or ``"position"``: row r of a
+    contiguous buffer of ``end - start`` rows, the chunk's workspace. GEMM1 of a row chunk reads by
+    pair and writes by position; GEMM2 reads by position and writes by pair.
+    """
+
+    start: int
+    end: int
+    read: str = "pair"
+    write: str = "pair"
+
+    @property
+    def rows(self) -> int:
+        return self.end - self.start
+
+
+@triton.jit
 def _fused_moe_kernel(
     # Pointers
-    a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, blocks_ptr, out_scale_ptr, static_ptr, w_desc, a_desc,
-    ids_ptr, map_ptr,
+    a_ptr,
+    w_ptr,
+    out_ptr,
+    a_scale_ptr,
+    w_scale_ptr,
+    layout_ptr,
     # Sizes
-    N, K, numel, num_blocks, row_base, expert_off, post_off, num_experts, num_local,
-    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
-    stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk,
-    stride_osm, stride_osg, stride_static, static_div,
+    N,
+    K,
+    numel,
+    num_blocks,
+    row_start,
+    expert_off,
+    post_off,
+    expert_block,
+    stride_am,
+    stride_ak,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_op,
+    stride_on,
+    stride_asm,
+    stride_ask,
+    stride_wse,
+    stride_wsn,
+    stride_wsk,
     # Meta-parameters
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PAIRS_PER_ROW: tl.constexpr, EVEN_K: tl.constexpr, IS_FP8: tl.constexpr, FP8_GROUP: tl.constexpr,
-    GATED: tl.constexpr, QUANT_OUT: tl.constexpr, STATIC_OUT: tl.constexpr,
-    W_TMA: tl.constexpr, A_TMA: tl.constexpr, UPCAST_BF16: tl.constexpr, DOT_IEEE: tl.constexpr, FIX_ROUNDING: tl.constexpr,
-    FP8_MAX: tl.constexpr, TINY: tl.constexpr,
-    EXPERT_BLOCK: tl.constexpr, READ_BY_POSITION: tl.constexpr, WRITE_BY_POSITION: tl.constexpr,
-    TAIL_M: tl.constexpr, PAIR_BLOCKS: tl.constexpr, HAS_MAP: tl.constexpr,
-    PDL: tl.constexpr = False,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    PAIRS_PER_ROW: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    READ_BY_POSITION: tl.constexpr,
+    WRITE_BY_POSITION: tl.constexpr,
+    UPCAST_BF16: tl.constexpr,
+    DOT_IEEE: tl.constexpr,
+    FIX_ROUNDING: tl.constexpr,
 ):
-    pdl_begin(PDL)  # nothing is read before the previous kernel completes
-    # The layout (moe_align_block_size) is one int32 buffer: sorted pair ids, expert ids, used rows.
-    # This call computes its rows from row_base on.
-    sorted_ptr = blocks_ptr + row_base
-    expert_ids_ptr = blocks_ptr + expert_off + row_base // EXPERT_BLOCK
-    post_ptr = blocks_ptr + post_off
-    # N is the output width: with GATED, w has 2N rows (gate rows [0, N), up rows [N, 2N)).
-    # GROUP_M row blocks sweep the columns together: neighbouring blocks are usually the same
-    # expert, so its weight tiles come from L2 for all of them.
+    # 1. Which tile: GROUP_M row blocks sweep the columns together (neighbouring blocks are
+    #    usually the same expert, so its weight tiles come from L2 for all of them).
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * num_pid_n
@@ -93,232 +174,242 @@ def _fused_moe_kernel(
     group_m = min(num_blocks - first_m, GROUP_M)
     pid_m = first_m + (pid % per_group) % group_m
     pid_n = (pid % per_group) // group_m
-    # Rows are addressed by pair (token * topk + slot, scattered through sorted_token_ids) or, for
-    # a chunk of sorted rows, by position in the chunk (a contiguous workspace of the chunk's rows).
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    if PAIR_BLOCKS:  # block pid_m is pair pid_m alone (moekit.kernels.pair_blocks): nothing to load
-        pair = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, numel)
-        row0 = pid_m
-    else:
-        pair = tl.load(sorted_ptr + offs_m)
-        row0 = pid_m * BLOCK_M
+
+    # 2. Its rows: BLOCK_M consecutive rows of the sorted layout (one int32 buffer: sorted pair
+    #    ids from 0, expert ids from expert_off, the rows used at post_off), all of one expert.
+    row0 = row_start + pid_m * BLOCK_M
+    past_end = row0 >= tl.load(layout_ptr + post_off)
+    if not WRITE_BY_POSITION:
+        if past_end:
+            return  # the grid is an upper bound: this block holds no pair
+    expert = tl.load(layout_ptr + expert_off + row0 // expert_block)
+    expert = tl.where(past_end, -1, expert).to(tl.int64)
+    position = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # the row's place in this call's window
+    pair = tl.load(layout_ptr + row0 + tl.arange(0, BLOCK_M))
     live = pair < numel  # padding rows hold numel
+    if READ_BY_POSITION:
+        a_row = position.to(tl.int64)
+    else:
+        a_row = tl.where(live, pair // PAIRS_PER_ROW, 0).to(tl.int64)
     if WRITE_BY_POSITION:
-        dest = offs_m.to(tl.int64)
-        keep = offs_m >= 0  # every position: padding rows get values too (finite, never read back)
+        dest = position.to(tl.int64)
+        keep = position >= 0  # every position: padding rows get zeros (finite, never read back)
     else:
         dest = pair.to(tl.int64)
         keep = live
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    out_ptrs = out_ptr + dest[:, None] * stride_om + offs_n[None, :] * stride_on
+    out_ptrs = out_ptr + dest[:, None] * stride_op + offs_n[None, :] * stride_on
     out_mask = keep[:, None] & (offs_n[None, :] < N)
-    # With QUANT_OUT, BLOCK_N is the 128-wide group: program column pid_n owns scale column pid_n.
-    out_scale_ptrs = out_scale_ptr + dest * stride_osm + pid_n * stride_osg
-    # The grid is sized by an upper bound (no host sync): blocks past the real ones do no math;
-    # a block of another rank's expert (id -1) contributes zeros.
-    if PAIR_BLOCKS:  # the grid is exact; the expert as the align would place it (-1: a zero row)
-        expert = _bucket_of(ids_ptr, map_ptr, pid_m, numel, num_experts, num_local, HAS_MAP, True, 0)[1]
-        expert = expert.to(tl.int64)
-    else:
-        past_end = row_base + pid_m * BLOCK_M >= tl.load(post_ptr)
-        if not WRITE_BY_POSITION:
-            if past_end:
-                return
-        expert = tl.load(expert_ids_ptr + (pid_m * BLOCK_M) // EXPERT_BLOCK).to(tl.int64)
-        expert = tl.where(past_end, -1, expert)
-    if expert == -1:  # (or past the end, for a chunk's workspace rows: zeros, not stale bytes)
+    if expert == -1:  # another rank's expert (or past the used rows of a chunk's workspace)
         tl.store(out_ptrs, tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty), mask=out_mask)
-        if QUANT_OUT:
-            tl.store(out_scale_ptrs, tl.full([BLOCK_M], TINY, tl.float32), mask=keep)
         return
 
-    # An expert's last block is often mostly padding (at 256 rows per expert and 128-row blocks,
-    # a quarter of all rows): with TAIL_M, a block of at most TAIL_M real rows (always its first
-    # rows) runs a TAIL_M-row tile instead. Both tiles are compiled into this kernel.
-    SHORT_M: tl.constexpr = TAIL_M if TAIL_M > 0 else BLOCK_M
-    short = False
-    if TAIL_M > 0 and not WRITE_BY_POSITION:
-        short = tl.sum(live.to(tl.int32)) <= TAIL_M
-    if short:
-        _tile(
-            a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, sorted_ptr, out_scale_ptr, static_ptr, w_desc, a_desc,
-            row0, pid_n, expert, N, K, numel, tl.cdiv(K, BLOCK_K),
-            stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
-            stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk,
-            stride_osm, stride_osg, stride_static, static_div,
-            SHORT_M, BLOCK_N, BLOCK_K, PAIRS_PER_ROW, EVEN_K, IS_FP8, FP8_GROUP, GATED, QUANT_OUT, STATIC_OUT,
-            W_TMA, False, UPCAST_BF16, DOT_IEEE, FIX_ROUNDING, FP8_MAX, TINY, READ_BY_POSITION, WRITE_BY_POSITION,
-            PAIR_BLOCKS,
+    # 3. The product, one BLOCK_K step at a time, accumulated in fp32.
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :] * stride_ak
+    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=live[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        b = tl.load(w_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
+        if IS_FP8:  # one scale per 1 x 128 group of a row, one per 128 x 128 block of w
+            group = (k * BLOCK_K) // 128
+            a_s = tl.load(a_scale_ptr + a_row * stride_asm + group * stride_ask, mask=live, other=0.0)
+            w_s = tl.load(
+                w_scale_ptr + expert * stride_wse + (offs_n // 128) * stride_wsn + group * stride_wsk,
+                mask=offs_n < N,
+                other=0.0,
+            )
+            acc += tl.dot(a, b) * (a_s[:, None] * w_s[None, :])
+        else:
+            if UPCAST_BF16:  # the interpreter multiplies bf16 bit patterns in tl.dot (FACTS.md)
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            if DOT_IEEE:  # fp32 stays fp32 (no tf32), so that fp32 results match the reference
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K * stride_ak
+        w_ptrs += BLOCK_K * stride_wk
+
+    # 4. Each live row goes to its pair's row of out (or its position in the chunk's workspace).
+    if FIX_ROUNDING:  # the interpreter truncates fp32 -> bf16 casts: round to nearest first
+        acc = round_for_store(acc, out_ptr.dtype.element_ty)
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+def check_float_pair(a: torch.Tensor, w: torch.Tensor) -> bool:
+    """``a`` and ``w`` are both fp8, or share one of fp32/fp16/bf16; returns whether they are fp8."""
+    fp8 = a.dtype == FP8
+    if fp8 != (w.dtype == FP8):
+        raise QuantizationError(f"a and w must both be fp8 or both not, got {a.dtype} and {w.dtype}")
+    if not fp8 and (a.dtype != w.dtype or a.dtype not in _FLOATS):
+        raise InvalidInputError(f"a and w must share a float dtype (fp32/fp16/bf16), got {a.dtype} and {w.dtype}")
+    return fp8
+
+
+def check_rows(a, out, blocks, pairs_per_row, tiles, window: RowWindow | None) -> None:
+    """The rows ``out`` and ``a`` must hold (one per pair, or one per position of a row chunk), and
+    tiles that fit the blocks."""
+    if not isinstance(blocks, AlignedBlocks):
+        raise InvalidInputError(f"blocks must be AlignedBlocks, got {type(blocks).__name__}")
+    M, topk, _ = out.shape
+    out_rows = window.rows if window is not None and window.write == "position" else blocks.numel
+    if M * topk != out_rows:
+        raise InvalidInputError(f"out must hold {out_rows} rows as [M, topk, N] (M*topk), got {tuple(out.shape)}")
+    if M > 1 and topk > 1 and out.stride(0) != topk * out.stride(1):
+        raise InvalidInputError(
+            f"out's pairs must be evenly strided (stride(0) == topk * stride(1)), got {out.stride()}"
         )
-    else:
-        _tile(
-            a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, sorted_ptr, out_scale_ptr, static_ptr, w_desc, a_desc,
-            row0, pid_n, expert, N, K, numel, tl.cdiv(K, BLOCK_K),
-            stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
-            stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk,
-            stride_osm, stride_osg, stride_static, static_div,
-            BLOCK_M, BLOCK_N, BLOCK_K, PAIRS_PER_ROW, EVEN_K, IS_FP8, FP8_GROUP, GATED, QUANT_OUT, STATIC_OUT,
-            W_TMA, A_TMA, UPCAST_BF16, DOT_IEEE, FIX_ROUNDING, FP8_MAX, TINY, READ_BY_POSITION, WRITE_BY_POSITION,
-            PAIR_BLOCKS,
+    by_position = window is not None and window.read == "position"
+    need = window.rows if by_position else blocks.numel
+    if (
+        not isinstance(pairs_per_row, int)
+        or pairs_per_row <= 0
+        or a.shape[0] * (1 if by_position else pairs_per_row) < need
+    ):
+        what = "positions" if by_position else "pairs"
+        raise InvalidInputError(f"a has {a.shape[0]} rows for {need} {what} at pairs_per_row={pairs_per_row!r}")
+    if (
+        not isinstance(tiles, Tiles)
+        or blocks.block_m % tiles.BLOCK_M
+        or (window is None and tiles.BLOCK_M != blocks.block_m)
+    ):
+        raise InvalidInputError(
+            f"tiles must be Tiles with BLOCK_M={blocks.block_m} (the blocks'; a divisor of it for a row chunk), "
+            f"got {tiles!r}"
         )
+    if window is not None and (
+        window.read not in ("pair", "position")
+        or window.write not in ("pair", "position")
+        or window.start % blocks.block_m
+        or window.rows % tiles.BLOCK_M
+        or window.rows < 0
+        or window.end > blocks.max_padded
+    ):
+        raise InvalidInputError(
+            f"a row chunk must start on a block of {blocks.block_m} rows and hold whole tiles of {tiles.BLOCK_M} "
+            f"inside the layout's {blocks.max_padded} rows, got {window}"
+        )
+
+
+def check_scales(a, w, a_scale, w_scale, tiles, *, width: int) -> None:
+    """fp8 needs both scales, float32 and of their documented shapes, and whole 128-wide groups."""
+    E, N, K = w.shape
+    want_a, want_w = (a.shape[0], triton.cdiv(K, FP8_GROUP)), (E, triton.cdiv(N, FP8_GROUP), triton.cdiv(K, FP8_GROUP))
+    for name, scale, want in (("a_scale", a_scale, want_a), ("w_scale", w_scale, want_w)):
+        if not isinstance(scale, torch.Tensor) or tuple(scale.shape) != want or scale.dtype != torch.float32:
+            got = "None" if scale is None else f"{getattr(scale, 'dtype', type(scale).__name__)} {tuple(scale.shape)}"
+            raise QuantizationError(f"fp8 needs {name} float32 {want}, got {got}")
+    if FP8_GROUP % tiles.BLOCK_K or K % FP8_GROUP or (width != N and width % FP8_GROUP):
+        raise QuantizationError(
+            f"fp8 block GEMM needs K (and a gated N/2) % 128 == 0 and BLOCK_K dividing 128, got K={K}, N={N}, "
+            f"BLOCK_K={tiles.BLOCK_K}"
+        )
+
+
+def check_gemm_args(a, w, out, blocks, pairs_per_row, tiles, a_scale, w_scale, window=None, *, width=None) -> bool:
+    """Everything :func:`fused_moe_gemm` needs of its arguments (``width``: out's columns, N by
+    default); returns whether the GEMM is fp8."""
+    if a.dim() != 2 or w.dim() != 3 or out.dim() != 3:
+        raise InvalidInputError(
+            f"expected a [rows, K], w [E, N, K], out [M, topk, N]; got {tuple(a.shape)}, "
+            f"{tuple(w.shape)}, {tuple(out.shape)}"
+        )
+    E, N, K = w.shape
+    width = N if width is None else width
+    if a.shape[1] != K or out.shape[2] != width:
+        raise InvalidInputError(
+            f"a must be [rows, K={K}] and out [M, topk, {width}], got {tuple(a.shape)} and {tuple(out.shape)}"
+        )
+    check_rows(a, out, blocks, pairs_per_row, tiles, window)
+    fp8 = check_float_pair(a, w)
+    if fp8:
+        check_scales(a, w, a_scale, w_scale, tiles, width=width)
+    return fp8
 
 
 def fused_moe_gemm(
     a: torch.Tensor,
     w: torch.Tensor,
     out: torch.Tensor,
-    blocks: AlignedBlocks | PairBlocks,
+    blocks: AlignedBlocks,
     *,
     pairs_per_row: int,
-    config: KernelConfig,
+    tiles: Tiles,
     a_scale: torch.Tensor | None = None,
     w_scale: torch.Tensor | None = None,
-    gated: GatedOutput | None = None,
-    chunk: RowWindow | None = None,
+    window: RowWindow | None = None,
+    check: bool = True,
 ) -> torch.Tensor:
     """``out[i] = a[i // pairs_per_row] @ w[expert(i)].T`` for every placed pair i; zeros for remote ones.
 
-    Algorithm (fp32 accumulation; fp8 dequantizes per k-step with the two scales)::
-
-        for block in range(num_tokens_post_padded // BM):
-            e = expert_ids[block]
-            for i in sorted_token_ids[block * BM : (block + 1) * BM]:
-                if i == numel:                     # padding
-                    continue
-                y = a[i // pairs_per_row] @ w[e].T
-                if gated:                          # w = [gate; up]
-                    y = silu(y[:H]) * y[H:]        # (then fp8 + group scales if out is fp8)
-                out[i] = 0 if e == -1 else y
-
-    Pairs that ``blocks`` did not place (dropped empty slots) are not written.
+    As the Triton tutorials do: (1) check the arguments, (2) launch the kernel; ``out`` is the
+    caller's. Pairs that ``blocks`` did not place (dropped empty slots) are not written.
 
     Args:
         a: ``[rows, K]`` activations, bf16/fp16/fp32 or fp8 e4m3 (then with ``a_scale``).
         w: ``[E, N, K]`` weights of the same dtype (fp8 with ``w_scale``).
-        out: ``[M, topk, N]`` (``[M, topk, N/2]`` when gated) destination with ``M * topk`` =
-            ``blocks.numel``, bf16/fp16/fp32 (bf16 for fp8 inputs, or fp8 with
-            ``gated.out_scale``); pair (m, j) is addressed through ``out.stride(1)`` and a column
-            through ``out.stride(2)``, as upstream's launcher did, so a 2-D ``out`` fails there
-            with torch's IndexError (the crash of bug 1; ``ModularKernel``'s guard names it first).
-        blocks: from :func:`moekit.kernels.align.moe_align_block_size` with ``config.BLOCK_M``, or
-            :func:`moekit.kernels.pair_blocks.pair_blocks` (one pair per block, decode; not with
-            ``chunk`` or a persistent config).
+        out: ``[M, topk, N]`` with ``M * topk = blocks.numel`` (or the window's rows, written by
+            position). Pair (m, j) is addressed through ``out.stride(1)`` and a column through
+            ``out.stride(2)``, as upstream's launcher did, so a 2-D ``out`` fails right there with
+            torch's IndexError: the crash of bug 1 (``ModularKernel``'s guard names it first).
+        blocks: from :func:`moekit.kernels.align.moe_align_block_size` with ``tiles.BLOCK_M``.
         pairs_per_row: pairs that share a row of ``a``: topk for GEMM1, 1 for GEMM2.
-        config: tile sizes (:func:`moekit.kernels.configs.get_config`).
+        tiles: the launch shape (:class:`Tiles`).
         a_scale: fp8 only, float32 ``[rows, K/128]`` (any strides, e.g. column-major).
         w_scale: fp8 only, float32 ``[E, N/128, K/128]``.
-        gated: fuse silu_and_mul (and the fp8 requantization) into the epilogue; see
-            :class:`GatedOutput`.
-        chunk: compute only rows ``[start, end)`` of the layout, addressed as :class:`RowWindow`
-            says (``out`` then holds ``end - start`` rows where it is written by position).
-
-    Returns:
-        ``out``.
+        window: compute only rows ``[start, end)`` of the layout (:class:`RowWindow`).
+        check: check the arguments first; the experts pass False (the modular kernel's door checked
+            the forward, and nothing is checked again in every chunk).
 
     Raises:
         InvalidInputError: shapes or dtypes do not fit together, or BLOCK_M differs from the blocks'.
         QuantizationError: fp8 without the right scales, K % 128 != 0, or BLOCK_K not dividing 128.
     """
-    # The kernel addresses pair (m, j) at m * stride(0) + j * stride(1) = pair * stride(1), and
-    # column n at n * stride(2). Read before the checks, as upstream's launcher did.
-    out.stride(1), out.stride(2)
-    check_gemm_args(a, w, out, blocks, pairs_per_row, config, a_scale, w_scale, gated, chunk)
-    return launch_gemm(a, w, out, blocks, pairs_per_row=pairs_per_row, config=config, a_scale=a_scale,
-                       w_scale=w_scale, gated=gated, chunk=chunk)  # fmt: skip
-
-
-_GEMM = LeanLauncher(_fused_moe_kernel, pdl=True)
-_PERSISTENT = LeanLauncher(_persistent_moe_kernel)  # no PDL: it ran slower with it (moekit.kernels.pdl)
-
-
-def launch_gemm(
-    a: torch.Tensor,
-    w: torch.Tensor,
-    out: torch.Tensor,
-    blocks: AlignedBlocks | PairBlocks,
-    *,
-    pairs_per_row: int,
-    config: KernelConfig,
-    a_scale: torch.Tensor | None = None,
-    w_scale: torch.Tensor | None = None,
-    gated: GatedOutput | None = None,
-    chunk: RowWindow | None = None,
-    stream: tuple[int, int] | None = None,
-) -> torch.Tensor:
-    """:func:`fused_moe_gemm` without its checks, for the experts (the door checked the forward)."""
-    start, end = (0, blocks.max_padded) if chunk is None else (chunk.start, chunk.end)
-    E, N, K = w.shape
-    width = N // 2 if gated is not None else N
-    if blocks.numel == 0 or width == 0 or end == start:
-        if chunk is not None and chunk.write == "position" and blocks.numel == 0:
-            out.zero_()  # a chunk's workspace rows hold zeros, not stale bytes
-        return out
-    # Pair (m, j) is at m * stride(0) + j * stride(1) = pair * stride(1), column n at n * stride(2), read
-    # as upstream's launcher read them: a 2-D out fails right here with torch's IndexError (bug 1).
-    stride_pair, o2 = out.stride(1), out.stride(2)
+    stride_pair, stride_col = out.stride(1), out.stride(2)  # read first, as upstream's launcher did (bug 1)
+    if check:
+        check_gemm_args(a, w, out, blocks, pairs_per_row, tiles, a_scale, w_scale, window)
     if out.shape[1] == 1:  # topk = 1: a size-1 dim's stride says nothing; pairs step by stride(0)
         stride_pair = out.stride(0)
-    quant_out = gated is not None and out.dtype == FP8
-    static = gated.static_scale if quant_out else None
-    out_scale = gated.out_scale if quant_out else out
-    fp8 = a.dtype == FP8
-    if fp8:
-        scales = (a_scale, w_scale, a_scale.stride(0), a_scale.stride(1), *w_scale.stride())
-    else:
-        scales = (a, w, 0, 0, 0, 0, 0)
-    if quant_out:
-        epilogue = (out_scale, out_scale if static is None else static, *out_scale.stride(),
-                    0 if static is None or static.numel() == 1 else static.stride(0),
-                    gated.static_div if static is not None else 1)  # fmt: skip
-    else:
-        epilogue = (out, out, 0, 0, 0, 1)
-    w_desc = _weight_descriptor(w, config) if config.tma else None
-    read_pos = chunk is not None and chunk.read == "position"
-    write_pos = chunk is not None and chunk.write == "position"
-    a_desc = _rows_descriptor(a, config) if config.tma and read_pos else None
-    strides = (*a.stride(), *w.stride(), stride_pair, o2, *scales[2:], *epilogue[2:])
-    num_blocks = (end - start) // config.BLOCK_M
-    pairs = isinstance(blocks, PairBlocks)
-    emap = blocks.expert_map if pairs else None
-    if pairs:  # no layout buffer: the kernel reads the ids (and map) itself
-        layout = (blocks.ids, 0, 0, blocks.global_num_experts, blocks.num_local)
-        ids = (blocks.ids, blocks.ids if emap is None else emap)
-    else:
-        layout = (blocks.buffer, blocks.expert_offset, blocks.post_offset, 0, 0)
-        ids = (blocks.buffer, blocks.buffer)
-    args = (a, w, out, scales[0], scales[1], layout[0], epilogue[0], epilogue[1], w if w_desc is None else w_desc,
-            a if a_desc is None else a_desc, *ids,
-            width, K, blocks.numel, num_blocks, start, *layout[1:3], *layout[3:], *strides)  # fmt: skip
-    # What selects the compiled variant beyond the config and flags: the dtypes, the sizes and strides
-    # (fixed per layer, except the fp8 scales' strides), the alignment of every pointer (chunks slice
-    # a and out). numel, num_blocks and the offsets are not specialized.
-    ptrs = (a.data_ptr() % 16, out.data_ptr() % 16, w.data_ptr() % 16,
-            (a_scale.data_ptr() % 16, w_scale.data_ptr() % 16) if fp8 else None,
-            (out_scale.data_ptr() % 16, epilogue[1].data_ptr() % 16) if quant_out else None,
-            (blocks.ids.dtype, blocks.ids.data_ptr() % 16, None if emap is None else (emap.dtype, emap.data_ptr() % 16))
-            if pairs else None)  # fmt: skip
-    key = (config, a.dtype, out.dtype, pairs_per_row, gated is not None, quant_out, static is not None,
-           w_desc is not None, a_desc is not None, read_pos, write_pos, blocks.block_m, width, K, strides, ptrs)  # fmt: skip
-
-    def constexprs() -> dict:
-        return dict(
-            PAIRS_PER_ROW=pairs_per_row, EVEN_K=K % config.BLOCK_K == 0, IS_FP8=fp8, FP8_GROUP=FP8_GROUP,
-            GATED=gated is not None, QUANT_OUT=quant_out, STATIC_OUT=static is not None, W_TMA=w_desc is not None,
-            A_TMA=a_desc is not None,
-            UPCAST_BF16=interpreting() and a.dtype == torch.bfloat16,
-            DOT_IEEE=a.dtype == torch.float32, FIX_ROUNDING=interpreting(), FP8_MAX=FP8_MAX, TINY=TINY_SCALE,
-            EXPERT_BLOCK=blocks.block_m, READ_BY_POSITION=read_pos, WRITE_BY_POSITION=write_pos,
-            PAIR_BLOCKS=pairs, HAS_MAP=emap is not None,
-            **config.launch,
-        )  # fmt: skip
-
-    tiles = num_blocks * cdiv(width, config.BLOCK_N)
-    if not config.persistent:
-        _GEMM((tiles,), args, key=key, constexprs=lambda: dict(constexprs(), TAIL_M=config.TAIL_M), stream=stream)
+    start, end = (0, blocks.max_padded) if window is None else (window.start, window.end)
+    E, N, K = w.shape
+    if blocks.numel == 0 or N == 0 or end == start:
+        if window is not None and window.write == "position" and blocks.numel == 0:
+            out.zero_()  # a chunk's workspace rows hold zeros, not stale bytes
         return out
-    sms = INTERPRETER_SMS if interpreting() else sm_count(a.device.index if a.device.index is not None else
-                                                          torch.cuda.current_device())  # fmt: skip
-    _PERSISTENT((min(tiles, sms),), args, key=(key, sms),
-                constexprs=lambda: dict(constexprs(), NUM_SMS=sms, WARP_SPECIALIZE=config.warp_specialize),
-                stream=stream)  # fmt: skip
+    fp8 = a.dtype == FP8
+    scales = (a_scale, w_scale, *a_scale.stride(), *w_scale.stride()) if fp8 else (a, w, 0, 0, 0, 0, 0)
+    num_blocks = (end - start) // tiles.BLOCK_M
+    grid = (num_blocks * triton.cdiv(N, tiles.BLOCK_N),)
+    _fused_moe_kernel[grid](
+        a,
+        w,
+        out,
+        scales[0],
+        scales[1],
+        blocks.buffer,
+        N,
+        K,
+        blocks.numel,
+        num_blocks,
+        start,
+        blocks.expert_offset,
+        blocks.post_offset,
+        blocks.block_m,
+        *a.stride(),
+        *w.stride(),
+        stride_pair,
+        stride_col,
+        *scales[2:],
+        PAIRS_PER_ROW=pairs_per_row,
+        IS_FP8=fp8,
+        READ_BY_POSITION=window is not None and window.read == "position",
+        WRITE_BY_POSITION=window is not None and window.write == "position",
+        UPCAST_BF16=interpreting() and a.dtype == torch.bfloat16,
+        DOT_IEEE=a.dtype == torch.float32,
+        FIX_ROUNDING=interpreting(),
+        **tiles.launch,
+    )
     return out

@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moekit.hopper.launch import LeanLauncher, int_spec
 from moekit.kernels.host_math import cdiv, next_power_of_2
-from moekit.kernels.launch import LeanLauncher, int_spec
 
 _BLOCK = 1024
 

@@ -17,7 +17,7 @@ def test_every_short_name_builds_its_class(name):
 
 
 def test_the_registry_names_standard_format_classes_only():
-    assert set(BY_NAME) == {"triton", "deep_gemm", "triton_or_deep_gemm", "grouped_mm"}
+    assert set(BY_NAME) == {"triton", "hopper", "deep_gemm", "triton_or_deep_gemm", "grouped_mm"}
     assert set(BY_NAME.values()) <= set(experts.__all__)
     assert "NaiveBatchedExperts" not in BY_NAME.values() and "BatchedTritonExperts" not in BY_NAME.values()
 

@@ -9,7 +9,8 @@ import moekit
 from moekit import QuantScheme
 from moekit.errors import InvalidInputError, QuantizationError
 from moekit.experts.triton import TritonExperts
-from moekit.kernels.configs import KernelConfig
+from moekit.hopper.configs import KernelConfig
+from moekit.hopper.experts import HopperTritonExperts
 from moekit.prepare_finalize.no_ep import NoEPPrepareFinalize
 from moekit.quant import (
     FP8,
@@ -34,7 +35,8 @@ def make_layer(device, *, M, K=128, N=128, E=8, topk=2, dtype=torch.float32, emp
 
 
 def kernel(quant=QuantScheme.NONE, chunk_size=None, *, fused=False, **kw):
-    experts = TritonExperts(quant=quant, fuse_activation=fused)
+    # fused: the wing's class with its fused activation; else the book's (the wing's own tests: tests/hopper)
+    experts = HopperTritonExperts(quant=quant, fuse_activation=True) if fused else TritonExperts(quant=quant)
     return moekit.ModularKernel(NoEPPrepareFinalize(), experts, chunk_size=chunk_size, trace_counts=False, **kw)
 
 
@@ -46,9 +48,7 @@ def same(a, b, dtype):
     assert_close(a, b, dtype=dtype)
 
 
-@pytest.mark.parametrize(
-    "M, C", [(1, 1), (2, 1), (5, 1), (1, 16), (15, 16), (16, 16), (17, 16), (35, 16), (129, 128)]
-)
+@pytest.mark.parametrize("M, C", [(1, 1), (2, 1), (5, 1), (1, 16), (15, 16), (16, 16), (17, 16), (35, 16), (129, 128)])
 def test_chunked_equals_unchunked_equals_reference(device, M, C):
     layer = make_layer(device, M=M)
     whole = kernel()(*layer)
@@ -64,7 +64,9 @@ def test_fused_activation(device, M, C, dtype):
     whole = kernel(fused=True)(*layer)
     assert_close(whole, moe_reference(*layer), dtype=dtype)
     same(kernel(chunk_size=C, fused=True)(*layer), whole, dtype)
-    shapes = TritonExperts(fuse_activation=True).workspace_shapes(ProblemSize(M, 128, 128, 2, 8, 8), act_dtype=dtype)
+    shapes = HopperTritonExperts(fuse_activation=True).workspace_shapes(
+        ProblemSize(M, 128, 128, 2, 8, 8), act_dtype=dtype
+    )
     assert shapes.workspace13 == (M, 2, 64) and shapes.workspace2 == (2 * M, 0)
 
 
@@ -106,7 +108,7 @@ def _direct_call(device, *, M, K=128, N=128, E=4, topk=2, fill=float("nan"), fus
     """An ExpertsCall whose workspaces and output hold ``fill`` before apply."""
     hidden, w1, w2, _, ids = make_layer(device, M=M, K=K, N=N, E=E, topk=topk)
     ids[0, 0] = -1
-    experts = TritonExperts(fuse_activation=fused)
+    experts = HopperTritonExperts(fuse_activation=True) if fused else TritonExperts()
     emap = torch.tensor([0, -1, 1, 2, -1, 3], dtype=torch.int32, device=device)  # 2 remote experts
     placement = ExpertPlacement(E + 2, E, emap)
     call = experts_call(experts, hidden, ids, MoEWeights(w1, w2), placement=placement, fill=fill)

@@ -8,7 +8,7 @@ import torch
 import moekit
 from moekit.errors import InvalidInputError
 from moekit.experts import TritonExperts
-from moekit.graphed import GraphedKernel
+from moekit.hopper.graphed import GraphedKernel
 from moekit.modular_kernel import ModularKernel
 from moekit.prepare_finalize import NoEPPrepareFinalize
 from moekit.testing import assert_close, expect_raises, make_problem

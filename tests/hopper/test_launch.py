@@ -1,4 +1,4 @@
-"""moekit.kernels.launch: the lean launch path. On a CPU (the interpreter) it is off and every launch is
+"""moekit.hopper.launch: the lean launch path. On a CPU (the interpreter) it is off and every launch is
 Triton's plain one; its bookkeeping is tested here with a stand-in jit function, and on a GPU every
 test runs with :func:`verifying` on (tests/conftest.py), which checks each key against Triton's binder."""
 
@@ -11,7 +11,7 @@ import torch
 import triton
 
 import moekit
-from moekit.kernels import launch as L
+from moekit.hopper import launch as L
 
 
 class FakeCompiled:

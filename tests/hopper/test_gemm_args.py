@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from moekit.errors import InvalidInputError, QuantizationError
+from moekit.hopper.configs import KernelConfig
+from moekit.hopper.gemm_args import GatedOutput, RowWindow, check_gemm_args
 from moekit.kernels.align import moe_align_block_size
-from moekit.kernels.configs import KernelConfig
-from moekit.kernels.gemm_args import GatedOutput, RowWindow, check_gemm_args
 from moekit.quant import FP8
 from moekit.testing import expect_raises
 

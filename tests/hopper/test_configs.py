@@ -1,4 +1,4 @@
-"""moekit.kernels.configs: the committed tile table, its lookups, and KernelConfig's checks."""
+"""moekit.hopper.configs: the committed tile table, its lookups, and KernelConfig's checks."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 import moekit
 from moekit.errors import InvalidInputError
-from moekit.kernels.configs import KernelConfig, get_config, load_table, table_config
+from moekit.hopper.configs import KernelConfig, get_config, load_table, table_config
 from moekit.quant import FP8
 from moekit.testing import expect_raises
 

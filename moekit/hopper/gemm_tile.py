@@ -1,7 +1,7 @@
 """The output tile both grouped GEMM kernels compute, with its fused epilogue.
 
 ``fused_moe`` runs one program per tile; ``persistent_gemm`` one program per SM, walking the
-tiles. See :mod:`moekit.kernels.fused_moe` for the shapes, the layout and the epilogue's options.
+tiles. See :mod:`moekit.hopper.grouped_gemm` for the shapes, the layout and the epilogue's options.
 """
 
 from __future__ import annotations
@@ -38,23 +38,65 @@ def _load(ptrs, mask, EVEN_K: tl.constexpr):
 
 @triton.jit
 def _tile(
-    a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, sorted_ptr, out_scale_ptr, static_ptr, w_desc, a_desc,
-    row0, pid_n, expert, N, K, numel, k_steps,
-    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
-    stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk,
-    stride_osm, stride_osg, stride_static, static_div,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PAIRS_PER_ROW: tl.constexpr, EVEN_K: tl.constexpr, IS_FP8: tl.constexpr, FP8_GROUP: tl.constexpr,
-    GATED: tl.constexpr, QUANT_OUT: tl.constexpr, STATIC_OUT: tl.constexpr,
-    W_TMA: tl.constexpr, A_TMA: tl.constexpr, UPCAST_BF16: tl.constexpr, DOT_IEEE: tl.constexpr, FIX_ROUNDING: tl.constexpr,
-    FP8_MAX: tl.constexpr, TINY: tl.constexpr, READ_BY_POSITION: tl.constexpr, WRITE_BY_POSITION: tl.constexpr,
+    a_ptr,
+    w_ptr,
+    out_ptr,
+    a_scale_ptr,
+    w_scale_ptr,
+    sorted_ptr,
+    out_scale_ptr,
+    static_ptr,
+    w_desc,
+    a_desc,
+    row0,
+    pid_n,
+    expert,
+    N,
+    K,
+    numel,
+    k_steps,
+    stride_am,
+    stride_ak,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    stride_on,
+    stride_asm,
+    stride_ask,
+    stride_wse,
+    stride_wsn,
+    stride_wsk,
+    stride_osm,
+    stride_osg,
+    stride_static,
+    static_div,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PAIRS_PER_ROW: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    FP8_GROUP: tl.constexpr,
+    GATED: tl.constexpr,
+    QUANT_OUT: tl.constexpr,
+    STATIC_OUT: tl.constexpr,
+    W_TMA: tl.constexpr,
+    A_TMA: tl.constexpr,
+    UPCAST_BF16: tl.constexpr,
+    DOT_IEEE: tl.constexpr,
+    FIX_ROUNDING: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    TINY: tl.constexpr,
+    READ_BY_POSITION: tl.constexpr,
+    WRITE_BY_POSITION: tl.constexpr,
     PAIR_BLOCKS: tl.constexpr = False,
 ):
     """One BLOCK_M x BLOCK_N output tile: rows [row0, row0 + BLOCK_M) of the layout, all of ``expert``.
 
     ``k_steps`` BLOCK_K steps along K (``cdiv(K, BLOCK_K)``; 0 stores the epilogue of a zero
     accumulator, which the persistent kernel uses for another rank's blocks). With ``PAIR_BLOCKS``
-    the tile is pair ``row0`` alone (:mod:`moekit.kernels.pair_blocks`).
+    the tile is pair ``row0`` alone (:mod:`moekit.hopper.pair_blocks`).
     """
     offs_m = row0 + tl.arange(0, BLOCK_M)
     if PAIR_BLOCKS:  # row0 is the tile's one pair; the other rows are padding

@@ -1,4 +1,4 @@
-"""moekit.kernels.pdl: programmatic dependent launch. On the CPU it is off and the launchers pass
+"""moekit.hopper.pdl: programmatic dependent launch. On the CPU it is off and the launchers pass
 PDL=False; the rule that makes it safe (nothing before the wait) is checked on every kernel's source;
 on a Hopper GPU the layer gives the same bits with and without it, eager and as a CUDA graph."""
 
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import moekit
+from moekit.hopper import launch as L
 from moekit.kernels import activation, align, fused_moe, pdl, reduce
-from moekit.kernels import launch as L
 
 PDL_LAUNCHERS = {
     "align small": align._SMALL, "align count": align._COUNT, "align scan": align._SCAN,
@@ -48,7 +48,7 @@ def test_every_pdl_kernel_waits_before_it_touches_memory(name):
 
 
 def test_the_persistent_gemm_is_launched_without_it():
-    """It ran 7-11% slower with it on the H200 (moekit.kernels.pdl); kernels after it still may carry it."""
+    """It ran 7-11% slower with it on the H200 (moekit.hopper.pdl); kernels after it still may carry it."""
     assert not fused_moe._PERSISTENT.pdl
     fn = fused_moe._persistent_moe_kernel
     assert "PDL" not in inspect.signature(getattr(fn, "fn", fn)).parameters
@@ -123,7 +123,7 @@ def test_the_launcher_passes_the_flag_and_option_and_keys_by_them(monkeypatch):
 @pytest.mark.parametrize("quant", ["bf16", "fp8"])
 def test_the_layer_gives_the_same_bits_with_and_without_it(quant):
     from moekit.experts import TritonExperts
-    from moekit.graphed import GraphedKernel
+    from moekit.hopper.graphed import GraphedKernel
     from moekit.modular_kernel import ModularKernel
     from moekit.prepare_finalize import NoEPPrepareFinalize
     from moekit.testing import assert_close, make_problem

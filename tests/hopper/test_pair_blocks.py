@@ -7,11 +7,11 @@ import torch
 
 from moekit.errors import InvalidIdsError, InvalidInputError
 from moekit.experts import TritonExperts
-from moekit.kernels import pair_blocks as pb
+from moekit.hopper import pair_blocks as pb
+from moekit.hopper.configs import KernelConfig
+from moekit.hopper.gemm_args import RowWindow
+from moekit.hopper.grouped_gemm import GatedOutput, fused_moe_gemm
 from moekit.kernels.align import moe_align_block_size
-from moekit.kernels.configs import KernelConfig
-from moekit.kernels.fused_moe import GatedOutput, fused_moe_gemm
-from moekit.kernels.gemm_args import RowWindow
 from moekit.modular_kernel import ModularKernel
 from moekit.prepare_finalize import NoEPPrepareFinalize
 from moekit.quant import (
@@ -174,7 +174,7 @@ def test_counts_asked_for_take_the_align(device, align_calls):
 def test_bit_identical_to_the_align_layout_on_gpu(device, M, mapped):
     # Qwen3-30B-A3B's GEMM1 at decode with the table's tile: each row of a tile is its own dot
     # product, so one pair per block changes no bit of any pair's row.
-    from moekit.kernels.configs import get_config
+    from moekit.hopper.configs import get_config
 
     E, topk, K, N = 128, 8, 2048, 1536
     ids = torch.rand(M, E, device=device).topk(topk, dim=1).indices

@@ -1,7 +1,7 @@
 """The grouped GEMM's arguments beyond the tensors, and the checks that everything fits together.
 
-:class:`GatedOutput` (GEMM1's fused activation epilogue) and :class:`RowWindow` (rows of the
-sorted layout one call computes) are what :func:`moekit.kernels.fused_moe.fused_moe_gemm` takes;
+:class:`GatedOutput` (GEMM1's fused activation epilogue) and the book's ``RowWindow`` (rows of the
+sorted layout one call computes) are what :func:`moekit.hopper.grouped_gemm.fused_moe_gemm` takes;
 :func:`check_gemm_args` is its boundary check, run before anything is launched or written.
 """
 
@@ -12,10 +12,11 @@ from dataclasses import dataclass
 import torch
 
 from moekit.errors import InvalidInputError, QuantizationError
+from moekit.hopper.configs import KernelConfig
+from moekit.hopper.pair_blocks import PairBlocks
 from moekit.kernels.align import AlignedBlocks
-from moekit.kernels.configs import KernelConfig
+from moekit.kernels.fused_moe import RowWindow, check_float_pair
 from moekit.kernels.host_math import cdiv
-from moekit.kernels.pair_blocks import PairBlocks
 from moekit.quant import FP8, FP8_GROUP
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -36,36 +37,6 @@ class GatedOutput:
     static_div: int = 1
 
 
-@dataclass(frozen=True)
-class RowWindow:
-    """Rows ``[start, end)`` of the sorted layout that one GEMM call computes, instead of every
-    block of the layout: the GEMMs of a chunk of sorted rows (``ModularKernel(chunk_by="rows")``).
-
-    ``read`` and ``write`` say how rows are addressed: ``"pair"`` through ``sorted_token_ids``
-    (activations row ``pair // pairs_per_row``, output row ``pair``), or ``"position"``: row r of a
-    contiguous buffer of ``end - start`` rows, the chunk's workspace. GEMM1 of a row chunk reads by
-    pair and writes by position; GEMM2 reads by position and writes by pair.
-    """
-
-    start: int
-    end: int
-    read: str = "pair"
-    write: str = "pair"
-
-    @property
-    def rows(self) -> int:
-        return self.end - self.start
-
-
-def check_float_pair(a, w) -> bool:
-    fp8 = a.dtype == FP8
-    if fp8 != (w.dtype == FP8):
-        raise QuantizationError(f"a and w must both be fp8 or both not, got {a.dtype} and {w.dtype}")
-    if not fp8 and (a.dtype != w.dtype or a.dtype not in _FLOATS):
-        raise InvalidInputError(f"a and w must share a float dtype (fp32/fp16/bf16), got {a.dtype} and {w.dtype}")
-    return fp8
-
-
 def check_layout(blocks, config, chunk: RowWindow | None) -> None:
     """``blocks`` is an aligned layout, or one pair per block (no row chunk, no persistent walk)."""
     if not isinstance(blocks, (AlignedBlocks, PairBlocks)):
@@ -84,14 +55,22 @@ def check_rows(a, out, blocks, pairs_per_row, config, chunk: RowWindow | None) -
     if M * topk != out_rows:
         raise InvalidInputError(f"out must hold {out_rows} rows as [M, topk, N] (M*topk), got {tuple(out.shape)}")
     if M > 1 and topk > 1 and out.stride(0) != topk * out.stride(1):
-        raise InvalidInputError(f"out's pairs must be evenly strided (stride(0) == topk * stride(1)), got {out.stride()}")
+        raise InvalidInputError(
+            f"out's pairs must be evenly strided (stride(0) == topk * stride(1)), got {out.stride()}"
+        )
     by_position = chunk is not None and chunk.read == "position"
     need = chunk.rows if by_position else blocks.numel
-    if not isinstance(pairs_per_row, int) or pairs_per_row <= 0 or a.shape[0] * (1 if by_position else pairs_per_row) < need:
+    if (
+        not isinstance(pairs_per_row, int)
+        or pairs_per_row <= 0
+        or a.shape[0] * (1 if by_position else pairs_per_row) < need
+    ):
         what = "positions" if by_position else "pairs"
         raise InvalidInputError(f"a has {a.shape[0]} rows for {need} {what} at pairs_per_row={pairs_per_row!r}")
-    if not isinstance(config, KernelConfig) or blocks.block_m % config.BLOCK_M or (
-        chunk is None and config.BLOCK_M != blocks.block_m
+    if (
+        not isinstance(config, KernelConfig)
+        or blocks.block_m % config.BLOCK_M
+        or (chunk is None and config.BLOCK_M != blocks.block_m)
     ):
         raise InvalidInputError(
             f"config must be a KernelConfig with BLOCK_M={blocks.block_m} (the blocks'; a divisor of it for a "
@@ -126,7 +105,9 @@ def check_gemm_args(a, w, out, blocks, pairs_per_row, config, a_scale, w_scale, 
         raise InvalidInputError(f"a gated GEMM needs gate and up rows (even N), got N={N}")
     if gated and out.dtype == FP8:
         if width % FP8_GROUP or config.BLOCK_N != FP8_GROUP:
-            raise QuantizationError(f"fp8 output needs N/2 % 128 == 0 and BLOCK_N == 128, got {width}, {config.BLOCK_N}")
+            raise QuantizationError(
+                f"fp8 output needs N/2 % 128 == 0 and BLOCK_N == 128, got {width}, {config.BLOCK_N}"
+            )
         s, want = gated.out_scale, (out.shape[0] * out.shape[1], width // FP8_GROUP)
         if s is None or tuple(s.shape) != want or s.dtype != torch.float32:
             raise QuantizationError(f"fp8 output needs out_scale float32 {want}, got {None if s is None else s.shape}")

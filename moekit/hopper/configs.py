@@ -1,6 +1,6 @@
-"""Tile sizes of the grouped GEMM (``moekit.kernels.fused_moe``): a committed table, no autotune.
+"""Tile sizes of the grouped GEMM (``moekit.hopper.grouped_gemm``): a committed table, no autotune.
 
-The table (``moekit/configs/fused_moe.json``) is keyed by compute dtype and by the expected
+The table (``moekit/hopper/fused_moe_tiles.json``) is keyed by compute dtype and by the expected
 rows per expert, ``r = M * topk / E``: that, more than M alone, decides whether the GEMM streams
 weights (r ~ 1, decode) or is compute-bound (r in the hundreds). Each entry holds one config per
 GEMM. Under Triton's interpreter every program costs Python time, so there a fixed config of a
@@ -18,12 +18,13 @@ import torch
 
 from moekit.device import interpreting
 from moekit.errors import InvalidInputError
+from moekit.kernels.fused_moe import Tiles
 
 _DTYPE_KEYS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8"}
 
 
 @dataclass(frozen=True)
-class KernelConfig:
+class KernelConfig(Tiles):
     """Launch shape of one grouped GEMM.
 
     ``BLOCK_M`` rows of (token, slot) pairs by ``BLOCK_N`` output columns per program, stepping
@@ -34,7 +35,7 @@ class KernelConfig:
     gathered activation rows always use per-thread copies. ``TAIL_M`` (0: off): a block with
     at most ``TAIL_M`` real rows (an expert's last block, mostly padding) runs a ``TAIL_M``-row
     tile, so padding costs less of the tensor cores; a power of two >= 16 below ``BLOCK_M``.
-    ``persistent``: one program per SM walks the tiles (:mod:`moekit.kernels.persistent_gemm`);
+    ``persistent``: one program per SM walks the tiles (:mod:`moekit.hopper.persistent_gemm`);
     no ``TAIL_M`` then. ``warp_specialize``: ask Triton to split that walk's loop into producer
     and consumer warps (``tl.range(warp_specialize=True)``; persistent only).
     """
@@ -59,8 +60,10 @@ class KernelConfig:
             if value < 16 or value & (value - 1):
                 raise InvalidInputError(f"KernelConfig.{name} must be a power of two >= 16, got {value}")
         tail = self.TAIL_M
-        if not isinstance(tail, int) or isinstance(tail, bool) or (
-            tail and (tail < 16 or tail & (tail - 1) or tail >= self.BLOCK_M)
+        if (
+            not isinstance(tail, int)
+            or isinstance(tail, bool)
+            or (tail and (tail < 16 or tail & (tail - 1) or tail >= self.BLOCK_M))
         ):
             raise InvalidInputError(
                 f"KernelConfig.TAIL_M must be 0 or a power of two >= 16 below BLOCK_M={self.BLOCK_M}, got {tail!r}"
@@ -92,7 +95,7 @@ _INTERPRETER = KernelConfig(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num
 @functools.cache
 def load_table() -> dict:
     """The JSON table, with dtype aliases (``"fp16": "bf16"``) resolved."""
-    text = resources.files("moekit").joinpath("configs/fused_moe.json").read_text()
+    text = resources.files("moekit").joinpath("hopper/fused_moe_tiles.json").read_text()
     table = {k: v for k, v in json.loads(text).items() if not k.startswith("_")}
     return {k: table[v] if isinstance(v, str) else v for k, v in table.items()}
 

@@ -39,7 +39,7 @@ import torch
 import triton
 
 from moekit.device import interpreting
-from moekit.kernels import pdl
+from moekit.hopper import pdl
 
 # The calling convention of CompiledKernel.run used below reads the same in the sources of
 # Triton 3.6 (what the H200 runs, where it is tested) and 3.9 (the pin of the CPU suite).
@@ -104,7 +104,7 @@ class LeanLauncher:
 
     def __init__(self, fn, *, pdl: bool = False):
         self.fn = fn
-        self.pdl = pdl  # fn takes a PDL constexpr and starts with pdl_begin(PDL) (moekit.kernels.pdl)
+        self.pdl = pdl  # fn takes a PDL constexpr and starts with pdl_begin(PDL) (moekit.hopper.pdl)
         self._variants: dict = {}
         self._lock = threading.Lock()
         self._direct = lean_supported() and hasattr(fn, "params")  # the interpreter's functions have none
@@ -124,7 +124,9 @@ class LeanLauncher:
         """Launch ``fn[grid](*args, **constexprs())``; ``args`` are the runtime arguments in order, ``grid``
         has one or two dimensions."""
         if self.pdl:
-            on = pdl.active(stream[0] if stream is not None else None if interpreting() else torch.cuda.current_device())
+            on = pdl.active(
+                stream[0] if stream is not None else None if interpreting() else torch.cuda.current_device()
+            )
             key, constexprs = (key, on), _with_pdl(constexprs, on)
         variant = self._variants.get(key)
         if variant is None or _RUNTIME.launch_enter_hook.calls:  # a profiler's hook: Triton's own path

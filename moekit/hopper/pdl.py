@@ -16,7 +16,7 @@ Nothing touches global memory before the wait, so each kernel's loads and stores
 after the previous kernel's have all finished, exactly as without the attribute: only the
 launch and the programs' start overlap the previous kernel's tail.
 
-The persistent GEMM (``moekit.kernels.persistent_gemm``, the large-M tiles) is launched without it.
+The persistent GEMM (``moekit.hopper.persistent_gemm``, the large-M tiles) is launched without it.
 With it, that kernel alone ran 7-11% slower in the profiler (Qwen3 M=16384 with the fused
 activation, 2.00-2.03 -> 2.17-2.24 ms) whether it let the next kernel launch at its start or only
 at its exit, and the layer with the fused activation up to 7% slower at M = 4096-32768; launched
@@ -33,7 +33,7 @@ of three, so larger chunks launch without it.
 
 On by default where it exists (a CUDA GPU of compute capability 9.0 or more, not the
 interpreter); ``MOEKIT_PDL=0`` turns it off for the process, :func:`disabled` for a block (an
-A/B benchmark). :class:`moekit.kernels.launch.LeanLauncher` ``(fn, pdl=True)`` passes the
+A/B benchmark). :class:`moekit.hopper.launch.LeanLauncher` ``(fn, pdl=True)`` passes the
 ``PDL`` constexpr and the launch option, and keys its variants by them.
 """
 
@@ -90,7 +90,6 @@ def pdl_begin(PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-
 
 
 __all__ = ["MAX_ROWS", "active", "disabled", "pdl_begin", "supported"]

@@ -34,7 +34,7 @@ PAIR_MAX = 16
 
 @dataclass(frozen=True, eq=False)
 class PairBlocks:
-    """The layout described in the module docstring, for :func:`moekit.kernels.fused_moe.fused_moe_gemm`.
+    """The layout described in the module docstring, for :func:`moekit.hopper.grouped_gemm.fused_moe_gemm`.
 
     ``ids`` are the flat ``topk_ids`` (contiguous), ``expert_map`` maps global to local ids (None:
     local = global, ``num_local`` of them). Has the sizes an :class:`~moekit.kernels.align.AlignedBlocks`
@@ -80,8 +80,7 @@ def pair_blocks(
         InvalidInputError: a bad ``block_m``/``global_num_experts``, or a map of the wrong length.
     """
     check_layout_args(topk_ids, block_m, global_num_experts, expert_map, num_local_experts, True)
-    return launch_pair_blocks(topk_ids, block_m, global_num_experts, expert_map,
-                              num_local_experts=num_local_experts)
+    return launch_pair_blocks(topk_ids, block_m, global_num_experts, expert_map, num_local_experts=num_local_experts)
 
 
 def launch_pair_blocks(

@@ -14,7 +14,7 @@ tiles (``tile = program, program + SMs, ...``), reading the layout's used rows o
 
 The k-loop of one tile and the walk over tiles are one flattened loop (``tl.range(flatten=True)``),
 so the software pipeline keeps loading the next tile's operands while this tile's epilogue
-stores. Tiles are the same as ``_fused_moe_kernel``'s (``moekit.kernels.gemm_tile._tile``), so
+stores. Tiles are the same as ``_fused_moe_kernel``'s (``moekit.hopper.gemm_tile._tile``), so
 the two kernels give bit-identical results on one GPU; a tile is computed by one program, with
 no split along K (deterministic). ``KernelConfig(persistent=True)`` selects it; it has no
 ``TAIL_M`` variant (one tile shape per flattened loop). Under the interpreter it runs with
@@ -26,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moekit.kernels.gemm_tile import _tile
+from moekit.hopper.gemm_tile import _tile
 
 INTERPRETER_SMS = 3  # programs of a persistent launch under the interpreter: each walks several tiles
 
@@ -34,21 +34,70 @@ INTERPRETER_SMS = 3  # programs of a persistent launch under the interpreter: ea
 @triton.jit(do_not_specialize=["numel", "num_blocks", "row_base", "expert_off", "post_off", "num_experts", "num_local"])
 def _persistent_moe_kernel(
     # Pointers (as _fused_moe_kernel)
-    a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, blocks_ptr, out_scale_ptr, static_ptr, w_desc, a_desc,
-    ids_ptr, map_ptr,  # PAIR_BLOCKS only, which this kernel does not take (the launcher refuses it)
+    a_ptr,
+    w_ptr,
+    out_ptr,
+    a_scale_ptr,
+    w_scale_ptr,
+    blocks_ptr,
+    out_scale_ptr,
+    static_ptr,
+    w_desc,
+    a_desc,
+    ids_ptr,
+    map_ptr,  # PAIR_BLOCKS only, which this kernel does not take (the launcher refuses it)
     # Sizes
-    N, K, numel, num_blocks, row_base, expert_off, post_off, num_experts, num_local,
-    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
-    stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk,
-    stride_osm, stride_osg, stride_static, static_div,
+    N,
+    K,
+    numel,
+    num_blocks,
+    row_base,
+    expert_off,
+    post_off,
+    num_experts,
+    num_local,
+    stride_am,
+    stride_ak,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    stride_on,
+    stride_asm,
+    stride_ask,
+    stride_wse,
+    stride_wsn,
+    stride_wsk,
+    stride_osm,
+    stride_osg,
+    stride_static,
+    static_div,
     # Meta-parameters
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PAIRS_PER_ROW: tl.constexpr, EVEN_K: tl.constexpr, IS_FP8: tl.constexpr, FP8_GROUP: tl.constexpr,
-    GATED: tl.constexpr, QUANT_OUT: tl.constexpr, STATIC_OUT: tl.constexpr,
-    W_TMA: tl.constexpr, A_TMA: tl.constexpr, UPCAST_BF16: tl.constexpr, DOT_IEEE: tl.constexpr, FIX_ROUNDING: tl.constexpr,
-    FP8_MAX: tl.constexpr, TINY: tl.constexpr,
-    EXPERT_BLOCK: tl.constexpr, READ_BY_POSITION: tl.constexpr, WRITE_BY_POSITION: tl.constexpr,
-    PAIR_BLOCKS: tl.constexpr, HAS_MAP: tl.constexpr, NUM_SMS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    PAIRS_PER_ROW: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    FP8_GROUP: tl.constexpr,
+    GATED: tl.constexpr,
+    QUANT_OUT: tl.constexpr,
+    STATIC_OUT: tl.constexpr,
+    W_TMA: tl.constexpr,
+    A_TMA: tl.constexpr,
+    UPCAST_BF16: tl.constexpr,
+    DOT_IEEE: tl.constexpr,
+    FIX_ROUNDING: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    TINY: tl.constexpr,
+    EXPERT_BLOCK: tl.constexpr,
+    READ_BY_POSITION: tl.constexpr,
+    WRITE_BY_POSITION: tl.constexpr,
+    PAIR_BLOCKS: tl.constexpr,
+    HAS_MAP: tl.constexpr,
+    NUM_SMS: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     tl.static_assert(not PAIR_BLOCKS, "the persistent kernel walks an aligned layout")
     sorted_ptr = blocks_ptr + row_base
@@ -72,11 +121,56 @@ def _persistent_moe_kernel(
         expert = tl.load(expert_ids_ptr + row0 // EXPERT_BLOCK).to(tl.int64)
         expert = tl.where(row_base + row0 >= post, -1, expert)
         _tile(
-            a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, sorted_ptr, out_scale_ptr, static_ptr, w_desc, a_desc,
-            row0, pid_n, expert, N, K, numel, tl.where(expert == -1, 0, k_all),
-            stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
-            stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk,
-            stride_osm, stride_osg, stride_static, static_div,
-            BLOCK_M, BLOCK_N, BLOCK_K, PAIRS_PER_ROW, EVEN_K, IS_FP8, FP8_GROUP, GATED, QUANT_OUT, STATIC_OUT,
-            W_TMA, A_TMA, UPCAST_BF16, DOT_IEEE, FIX_ROUNDING, FP8_MAX, TINY, READ_BY_POSITION, WRITE_BY_POSITION,
+            a_ptr,
+            w_ptr,
+            out_ptr,
+            a_scale_ptr,
+            w_scale_ptr,
+            sorted_ptr,
+            out_scale_ptr,
+            static_ptr,
+            w_desc,
+            a_desc,
+            row0,
+            pid_n,
+            expert,
+            N,
+            K,
+            numel,
+            tl.where(expert == -1, 0, k_all),
+            stride_am,
+            stride_ak,
+            stride_we,
+            stride_wn,
+            stride_wk,
+            stride_om,
+            stride_on,
+            stride_asm,
+            stride_ask,
+            stride_wse,
+            stride_wsn,
+            stride_wsk,
+            stride_osm,
+            stride_osg,
+            stride_static,
+            static_div,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            PAIRS_PER_ROW,
+            EVEN_K,
+            IS_FP8,
+            FP8_GROUP,
+            GATED,
+            QUANT_OUT,
+            STATIC_OUT,
+            W_TMA,
+            A_TMA,
+            UPCAST_BF16,
+            DOT_IEEE,
+            FIX_ROUNDING,
+            FP8_MAX,
+            TINY,
+            READ_BY_POSITION,
+            WRITE_BY_POSITION,
         )

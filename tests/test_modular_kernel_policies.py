@@ -7,8 +7,7 @@ import torch
 
 from moekit.errors import InvalidInputError, WorkspaceShapeError
 from moekit.experts import TritonExperts
-from moekit.plan import TokenChunk
-from moekit.policies import (
+from moekit.modular_kernel import (
     METADATA_POLICIES,
     WORKSPACE_POLICIES,
     DeclaredOnceWorkspaces,
@@ -18,6 +17,7 @@ from moekit.policies import (
     check_policy,
     same_layout,
 )
+from moekit.plan import TokenChunk
 from moekit.testing import expect_raises
 from moekit.types import ExpertTokensMetadata, ProblemSize, WorkspaceShapes
 

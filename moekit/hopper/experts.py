@@ -1,0 +1,231 @@
+"""``HopperTritonExperts``: the book's ``TritonExperts`` at Hopper speed (the wing's one experts class).
+
+Shapes (M tokens in this chunk, topk slots, K hidden, N = w1 rows = 2 x intermediate)::
+
+    hidden       [M, K]           bf16/fp16/fp32, or fp8 with hidden_scale [M, K/128]
+    workspace13  [M, topk, N]     GEMM1 output, one row per (token, slot) pair
+    workspace2   [M * topk, N/2]  silu_and_mul output; with fp8, its bytes hold the fp8
+                                  requantization [M*topk, N/2] and its scales [M*topk, N/256]
+    output       [M, topk, K]     GEMM2 output, unweighted; rows of remote experts and empty
+                                  slots are zeros
+
+No tensor is permuted: both GEMMs gather their rows through ``sorted_token_ids`` and scatter
+their results back to the pair's own row. Up to ``moekit.hopper.pair_blocks.PAIR_MAX`` pairs
+(decode) there is no align: each pair is a block of its own and the GEMMs read its expert from
+``topk_ids``.
+
+With ``fuse_activation=True`` GEMM1 applies silu_and_mul (and the fp8 requantization) in its
+epilogue: workspace13 becomes ``[M, topk, N/2]`` (the activation, or its fp8 bytes and scales)
+and workspace2 is empty. One launch and one ``[M*topk, N]`` round trip through memory fewer.
+
+Beside the book's steps it launches through :class:`moekit.hopper.launch.LeanLauncher` with PDL
+(:mod:`moekit.hopper.pdl`), takes its tiles from the measured table (:mod:`moekit.hopper.configs`,
+TMA, tail tiles, the persistent walk) and aligns with the one-launch fast paths
+(:mod:`moekit.hopper.align`). ``moekit.fused_moe``, the transformers integration and the harness
+choose it by default on sm90 GPUs (:func:`default_triton_experts`); its tests hold it to the book's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from moekit.experts.base import carve
+from moekit.experts.triton import TritonExperts
+from moekit.hopper import pair_blocks, pdl
+from moekit.hopper.align import launch_align
+from moekit.hopper.configs import KernelConfig, get_config
+from moekit.hopper.gemm_args import GatedOutput
+from moekit.hopper.grouped_gemm import launch_gemm
+from moekit.hopper.launch import launch_stream
+from moekit.hopper.pair_blocks import PairBlocks, launch_pair_blocks
+from moekit.kernels.align import AlignedBlocks
+from moekit.kernels.fused_moe import RowWindow
+from moekit.quant import FP8, FP8_GROUP
+from moekit.types import (
+    ExpertsCall,
+    ExpertTokensMetadata,
+    ProblemSize,
+    QuantScheme,
+    WorkspaceShapes,
+)
+from moekit.validate import check_flag
+
+
+class HopperTritonExperts(TritonExperts):
+    """The book's ``TritonExperts`` with the wing's kernels and launches (Standard format).
+
+    Args:
+        quant: ``QuantScheme.NONE`` (bf16/fp16/fp32) or ``QuantScheme.FP8_BLOCK`` (fp8 e4m3
+            weights with 128x128 block scales, activations with 1x128 group scales).
+        fuse_activation: run silu_and_mul (and the fp8 requantization) inside GEMM1's epilogue
+            instead of as a separate kernel (see the module docstring). Off by default: the
+            separate steps are the upstream pipeline that the notebooks take apart. On the H200
+            it was faster at decode (Qwen3-30B-A3B, M=1 under a CUDA graph: 33.7 vs 35.6 us).
+
+    Tile sizes come from :meth:`tile_configs` (the committed table); a subclass may override it.
+    """
+
+    def __init__(self, *, quant: QuantScheme = QuantScheme.NONE, fuse_activation: bool = False):
+        super().__init__(quant=quant)
+        self.fuse_activation = check_flag(fuse_activation, "fuse_activation")
+        self._tiles: dict = {}  # (problem, dtype) -> the tiles of both GEMMs (a pure function of them)
+
+    def __repr__(self) -> str:
+        return f"{self.name}(quant={self.quant.value}, fuse_activation={self.fuse_activation})"
+
+    def workspace_shapes(
+        self,
+        problem: ProblemSize,
+        *,
+        act_dtype: torch.dtype,
+        tokens_meta: ExpertTokensMetadata | None = None,
+    ) -> WorkspaceShapes:
+        """``(M, topk, N)``, ``(M * topk, N/2)`` and output ``(M, topk, K)`` in the compute dtype
+        (fused activation: ``(M, topk, N/2)`` and ``(M * topk, 0)``)."""
+        M, N, K, topk = problem.M, problem.N, problem.K, problem.topk
+        dtype = self.compute_dtype(act_dtype)
+        if self.fuse_activation:
+            return WorkspaceShapes((M, topk, N // 2), (M * topk, 0), (M, topk, K), dtype)
+        return WorkspaceShapes((M, topk, N), (M * topk, N // 2), (M, topk, K), dtype)
+
+    def row_workspace_shapes(self, rows: int, problem: ProblemSize, *, act_dtype: torch.dtype) -> WorkspaceShapes:
+        """For a chunk of ``rows`` sorted rows: ``(rows, 1, N)`` and ``(rows, N/2)`` (fused:
+        ``(rows, 1, N/2)`` and ``(rows, 0)``); the output is the whole ``(M, topk, K)``."""
+        N, dtype, out = problem.N, self.compute_dtype(act_dtype), (problem.M, problem.topk, problem.K)
+        if self.fuse_activation:
+            return WorkspaceShapes((rows, 1, N // 2), (rows, 0), out, dtype)
+        return WorkspaceShapes((rows, 1, N), (rows, N // 2), out, dtype)
+
+    def tile_configs(self, problem: ProblemSize, dtype: torch.dtype) -> tuple[KernelConfig, KernelConfig]:
+        """``(GEMM1, GEMM2)`` tiles for this chunk, from :func:`moekit.hopper.configs.get_config`."""
+        tiles = self._tiles.get((problem, dtype))
+        if tiles is None:
+            if len(self._tiles) > 1024:
+                self._tiles.clear()
+            tiles = self._tiles[(problem, dtype)] = self._pick_tiles(problem, dtype)
+        return tiles
+
+    def _pick_tiles(self, problem: ProblemSize, dtype: torch.dtype) -> tuple[KernelConfig, KernelConfig]:
+        M, N, K, E, topk = problem.M, problem.N, problem.K, problem.global_num_experts, problem.topk
+        cfg1 = get_config(M, N, K, E, topk, dtype, stage=1, gated=self.fuse_activation)
+        cfg2 = get_config(M, K, N // 2, E, topk, dtype, stage=2)
+        if self.fuse_activation and dtype == FP8 and cfg1.BLOCK_N != FP8_GROUP:  # one program per scale group
+            cfg1 = replace(cfg1, BLOCK_N=FP8_GROUP)
+        return cfg1, cfg2
+
+    def apply(self, call: ExpertsCall) -> str:
+        """Compute one chunk of tokens into ``call.output``; returns ``"triton"``."""
+        if call.problem.M * call.problem.topk <= pdl.MAX_ROWS:
+            return self._apply(call)
+        with pdl.disabled():  # large chunks: no gain from it, and a few percent lost (moekit.hopper.pdl)
+            return self._apply(call)
+
+    def _apply(self, call: ExpertsCall) -> str:
+        problem, shapes, w = call.problem, call.shapes, call.weights
+        stream = launch_stream(call.hidden.device)
+        M, N, topk = problem.M, problem.N, problem.topk
+        ws13 = carve(call.workspace13, shapes.workspace13)
+        ws2 = carve(call.workspace2, shapes.workspace2)
+        if M == 0:
+            return "triton"
+        fp8 = self.quant is QuantScheme.FP8_BLOCK
+        cfg1, cfg2 = self.tile_configs(problem, call.hidden.dtype)
+        if call.topk_ids.numel() <= pair_blocks.PAIR_MAX and not (cfg1.persistent or cfg2.persistent):
+            # decode: one pair per block, no align launch (moekit.hopper.pair_blocks)
+            blocks1 = self._pair_blocks(call, cfg1.BLOCK_M)
+            blocks2 = blocks1 if cfg2.BLOCK_M == cfg1.BLOCK_M else self._pair_blocks(call, cfg2.BLOCK_M)
+        else:
+            blocks1 = self._align(call, cfg1.BLOCK_M, stream)
+            blocks2 = blocks1 if cfg2.BLOCK_M == cfg1.BLOCK_M else self._align(call, cfg2.BLOCK_M, stream)
+        static = call.a2_scale.reshape(-1).float() if fp8 and call.a2_scale is not None else None
+        if self.fuse_activation:
+            self._fused(call, ws13, blocks1, blocks2, cfg1, cfg2, static, stream)
+            return "triton"
+        launch_gemm(call.hidden, w.w1, ws13, blocks1, pairs_per_row=topk, config=cfg1, a_scale=call.hidden_scale,
+                    w_scale=w.w1_scale, stream=stream)  # fmt: skip
+        act, act_scale = self.activation(call, carve(ws13, (M * topk, N)), ws2)  # the book's step
+        launch_gemm(act, w.w2, call.output, blocks2, pairs_per_row=1, config=cfg2, a_scale=act_scale,
+                    w_scale=w.w2_scale, stream=stream)  # fmt: skip
+        return "triton"
+
+    def apply_rows(self, call: ExpertsCall) -> str:
+        """One chunk of the batch's sorted rows: GEMM1 gathers its tokens and writes the chunk's
+        workspace by position, GEMM2 reads it by position and writes each pair's output row."""
+        if call.chunk.size <= pdl.MAX_ROWS:
+            return self._apply_rows(call)
+        with pdl.disabled():
+            return self._apply_rows(call)
+
+    def _apply_rows(self, call: ExpertsCall) -> str:
+        p, w, chunk = call.problem, call.weights, call.chunk
+        stream = launch_stream(call.hidden.device)
+        layout = chunk.layout
+        R, N, H = chunk.size, p.N, p.N // 2
+        ws13 = carve(call.workspace13, call.shapes.workspace13)
+        cfg1, cfg2 = self.tile_configs(p, call.hidden.dtype)
+        gather = RowWindow(chunk.start, chunk.end, read="pair", write="position")
+        scatter = RowWindow(chunk.start, chunk.end, read="position", write="pair")
+        fp8 = self.quant is QuantScheme.FP8_BLOCK
+        static = call.a2_scale.reshape(-1).float() if fp8 and call.a2_scale is not None else None  # per tensor
+        scales1 = dict(a_scale=call.hidden_scale, w_scale=w.w1_scale, stream=stream)
+        if self.fuse_activation:
+            if fp8:
+                q, scale = _fp8_views(ws13, R, H)
+                gated = GatedOutput(out_scale=scale, static_scale=static)
+                launch_gemm(call.hidden, w.w1, carve(q, (R, 1, H)), layout, pairs_per_row=p.topk, config=cfg1,
+                            gated=gated, chunk=gather, **scales1)  # fmt: skip
+                act, kw = q, dict(a_scale=scale, w_scale=w.w2_scale)
+            else:
+                act, kw = carve(ws13, (R, H)), {}
+                launch_gemm(call.hidden, w.w1, ws13, layout, pairs_per_row=p.topk, config=cfg1, gated=GatedOutput(),
+                            chunk=gather, stream=stream)  # fmt: skip
+        else:
+            launch_gemm(call.hidden, w.w1, ws13, layout, pairs_per_row=p.topk, config=cfg1, chunk=gather, **scales1)
+            act, act_scale = self.activation(call, carve(ws13, (R, N)), carve(call.workspace2, call.shapes.workspace2))
+            kw = {} if act_scale is None else dict(a_scale=act_scale, w_scale=w.w2_scale)
+        launch_gemm(act, w.w2, call.output, layout, pairs_per_row=1, config=cfg2, chunk=scatter, stream=stream, **kw)
+        return "triton"
+
+    @staticmethod
+    def _pair_blocks(call: ExpertsCall, block_m: int) -> PairBlocks:
+        placement = call.placement
+        return launch_pair_blocks(call.topk_ids, block_m, placement.global_num_experts, placement.expert_map,
+                                  num_local_experts=placement.num_local_experts)  # fmt: skip
+
+    @staticmethod
+    def _align(call: ExpertsCall, block_m: int, stream) -> AlignedBlocks:
+        # keep_empty: empty slots get zero rows too, so every element of the output is written.
+        placement = call.placement
+        return launch_align(call.topk_ids, block_m, placement.global_num_experts, placement.expert_map,
+                            num_local_experts=placement.num_local_experts, keep_empty=True,
+                            stream=stream)  # fmt: skip
+
+    def _fused(self, call, ws13, blocks1, blocks2, cfg1, cfg2, static, stream) -> None:
+        """GEMM1 with silu_and_mul (and fp8 requantization) in its epilogue, then GEMM2."""
+        w, topk = call.weights, call.problem.topk
+        M, H = call.problem.M, call.problem.N // 2
+        if call.hidden.dtype != FP8:
+            act = carve(ws13, (M, topk, H))
+            launch_gemm(call.hidden, w.w1, act, blocks1, pairs_per_row=topk, config=cfg1, gated=GatedOutput(),
+                        stream=stream)  # fmt: skip
+            launch_gemm(carve(ws13, (M * topk, H)), w.w2, call.output, blocks2, pairs_per_row=1, config=cfg2,
+                        stream=stream)  # fmt: skip
+            return
+        q, scale = _fp8_views(ws13, M * topk, H)
+        div = topk if static is not None and static.numel() > 1 else 1
+        launch_gemm(
+            call.hidden, w.w1, carve(q, (M, topk, H)), blocks1, pairs_per_row=topk, config=cfg1,
+            a_scale=call.hidden_scale, w_scale=w.w1_scale,
+            gated=GatedOutput(out_scale=scale, static_scale=static, static_div=div), stream=stream,
+        )  # fmt: skip
+        launch_gemm(q, w.w2, call.output, blocks2, pairs_per_row=1, config=cfg2, a_scale=scale, w_scale=w.w2_scale,
+                    stream=stream)  # fmt: skip
+
+
+def _fp8_views(buffer: torch.Tensor, R: int, H: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 ``[R, H]`` values, then fp32 ``[R, H/128]`` scales, carved from a bf16 buffer's bytes."""
+    q = carve(buffer, (R, H), dtype=FP8)
+    scale = carve(buffer, (R, H // FP8_GROUP), dtype=torch.float32, offset=R * H // 2)
+    return q, scale

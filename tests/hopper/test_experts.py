@@ -1,0 +1,98 @@
+"""The wing's HopperTritonExperts against the book's TritonExperts: the same layer, within the dtype's
+tolerance, for every path the wing adds (pair blocks at decode, the one-launch aligns, the fused
+activation, fp8, expert maps, token and row chunks), under the interpreter and on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moekit
+from moekit.experts import TritonExperts, experts_class
+from moekit.hopper.experts import HopperTritonExperts
+from moekit.prepare_finalize import NoEPPrepareFinalize
+from moekit.quant import quantize_fp8_block
+from moekit.testing import assert_close
+from moekit.types import QuantScheme
+
+FP8 = QuantScheme.FP8_BLOCK
+FP8_DTYPE = torch.float8_e4m3fn
+
+
+def _layer(device, M, E, topk, K, N, *, mapped=False):
+    x = torch.randn(M, K, device=device)
+    w1 = torch.randn(E, N, K, device=device) / K**0.5
+    w2 = torch.randn(E, K, N // 2, device=device) / N**0.5
+    weights, ids = moekit.routing.route(torch.randn(M, 2 * E if mapped else E, device=device), topk)
+    kw = {}
+    if mapped:  # rank 1 of 2: global experts E..2E-1 live here
+        emap = torch.full((2 * E,), -1, dtype=torch.int32, device=device)
+        emap[E:] = torch.arange(E, dtype=torch.int32, device=device)
+        kw = dict(expert_map=emap, global_num_experts=2 * E)
+    return x, w1, w2, weights, ids, kw
+
+
+def _both(wing, book, args, *, chunk_size=None, chunk_by="tokens", **kw):
+    outs = []
+    for experts in (wing, book):
+        kernel = moekit.ModularKernel(NoEPPrepareFinalize(), experts, chunk_size=chunk_size, chunk_by=chunk_by)
+        outs.append(kernel(*args, **kw))
+    return outs
+
+
+# M=1 and 8 take the pair blocks (<= 16 pairs), 40 the one-program align, 300 the one-launch align,
+# 700 (at topk 2, 1400 pairs) the three-launch align.
+@pytest.mark.parametrize("M", [1, 8, 40, 300, 700])
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("mapped", [False, True])
+def test_the_wing_computes_what_the_book_computes(device, M, fused, mapped):
+    dtype = torch.bfloat16
+    x, w1, w2, weights, ids, kw = _layer(device, M, 8, 2, 128, 128, mapped=mapped)
+    args = (x.to(dtype), w1.to(dtype), w2.to(dtype), weights, ids)
+    wing, book = _both(HopperTritonExperts(fuse_activation=fused), TritonExperts(), args, **kw)
+    assert_close(wing, book, dtype=dtype)
+
+
+@pytest.mark.parametrize("chunk_by, chunk_size", [("tokens", 48), ("rows", 128)])
+@pytest.mark.parametrize("fused", [False, True])
+def test_chunks_too(device, chunk_by, chunk_size, fused):
+    x, w1, w2, weights, ids, _ = _layer(device, 150, 8, 2, 128, 128)
+    wing, book = _both(HopperTritonExperts(fuse_activation=fused), TritonExperts(), (x, w1, w2, weights, ids),
+                       chunk_size=chunk_size, chunk_by=chunk_by)  # fmt: skip
+    assert_close(wing, book, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_fp8_block(device, fused):
+    x, w1, w2, weights, ids, _ = _layer(device, 33, 4, 2, 256, 512)
+    (q1, s1), (q2, s2) = quantize_fp8_block(w1), quantize_fp8_block(w2)
+    args = (x.bfloat16(), q1, q2, weights, ids)
+    wing, book = _both(HopperTritonExperts(quant=FP8, fuse_activation=fused), TritonExperts(quant=FP8), args,
+                       chunk_size=16, w1_scale=s1, w2_scale=s2)  # fmt: skip
+    assert_close(wing, book, dtype=FP8_DTYPE)  # the activation is requantized to fp8 on both sides
+
+
+def test_the_short_name_picks_the_wing_on_hopper_only():
+    want = HopperTritonExperts if moekit.device.is_hopper() else TritonExperts
+    assert experts_class("triton") is want and experts_class("hopper") is HopperTritonExperts
+    assert issubclass(HopperTritonExperts, TritonExperts)
+
+
+@pytest.mark.gpu
+def test_bit_identical_where_the_order_of_summation_is_the_same(device):
+    """On the GPU both classes launch one program per tile with the same tiles when the wing is
+    handed the book's tiles: then every output element is summed in the same order."""
+    x, w1, w2, weights, ids, _ = _layer(device, 256, 8, 2, 256, 256)
+    book = TritonExperts()
+
+    class SameTiles(HopperTritonExperts):
+        def tile_configs(self, problem, dtype):
+            from moekit.hopper.configs import KernelConfig
+
+            t = book.tile_configs(problem, dtype)[0]
+            cfg = KernelConfig(t.BLOCK_M, t.BLOCK_N, t.BLOCK_K, t.GROUP_M, t.num_warps, t.num_stages)
+            return cfg, cfg
+
+    args = (x.bfloat16(), w1.bfloat16(), w2.bfloat16(), weights, ids)
+    wing, ref = _both(SameTiles(), book, args)
+    assert torch.equal(wing, ref)
