@@ -62,7 +62,8 @@ def test_a_pool_says_which_devices_it_serves():
         pool.check_device(torch.device("meta"))
     before = pool.take(WorkspaceShapes((4,), (4,), (1,), torch.float32))
     with expect_raises(InvalidInputError, match=r"lives on cpu, but this call's tensors are on cuda:3"):
-        pool.follow((3, 1234))  # a forward on GPU 3: refused before any buffer is handed out
+        pool.check_device(torch.device("cuda", 3))  # a forward on GPU 3: refused before any buffer is handed out
+    pool.follow()  # a CPU pool follows no stream
     assert pool.take(WorkspaceShapes((4,), (4,), (1,), torch.float32)) is before
 
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from moekit.errors import InvalidIdsError, InvalidInputError
-from moekit.experts import TritonExperts
 from moekit.hopper import pair_blocks as pb
 from moekit.hopper.configs import KernelConfig
+from moekit.hopper.experts import HopperTritonExperts as TritonExperts
 from moekit.hopper.gemm_args import RowWindow
 from moekit.hopper.grouped_gemm import GatedOutput, fused_moe_gemm
 from moekit.kernels.align import moe_align_block_size
@@ -131,14 +131,14 @@ def test_refused_where_it_does_not_apply(device):
 
 @pytest.fixture
 def align_calls(monkeypatch):
-    """The align launches TritonExperts makes, counted."""
-    import moekit.experts.triton as triton_experts
+    """The align launches HopperTritonExperts makes, counted."""
+    import moekit.hopper.experts as triton_experts
 
     calls = []
     real = triton_experts.launch_align
 
     def counted(*args, **kwargs):
-        calls.append(kwargs.get("counts", False))
+        calls.append(kwargs.get("block_m", args[1] if len(args) > 1 else None))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(triton_experts, "launch_align", counted)
@@ -156,16 +156,19 @@ def test_triton_experts_skip_the_align_up_to_pair_max(device, align_calls, monke
     assert_close(out, ref, dtype=torch.bfloat16)
     monkeypatch.setattr(pb, "PAIR_MAX", 0)
     aligned = kernel(p.hidden, p.w1, p.w2, p.topk_weights, p.topk_ids)
-    assert align_calls and not any(align_calls)
+    assert align_calls
     assert_close(aligned, out, dtype=torch.bfloat16)
 
 
-def test_counts_asked_for_take_the_align(device, align_calls):
-    # The chunk's counts (trace_counts) come from the align's pass, so a forward that wants them aligns.
+def test_counts_asked_for_still_skip_the_align(device, align_calls):
+    # The chunk's counts (trace_counts) come from the count kernel, launched by the modular kernel
+    # once per chunk: decode keeps its pair blocks and the trace its counts.
     p = make_problem(1, E=6, topk=4, K=64, N=64, seed=5, device=device)
     kernel = ModularKernel(NoEPPrepareFinalize(), TritonExperts(), trace_counts=True)
     kernel(p.hidden, p.w1, p.w2, p.topk_weights, p.topk_ids)
-    assert align_calls == [True]
+    assert align_calls == []
+    counts = kernel.last_trace.chunks[0].counts
+    assert counts.tolist() == torch.bincount(p.topk_ids[p.topk_ids >= 0].long().cpu(), minlength=6).tolist()
 
 
 @pytest.mark.gpu

@@ -13,14 +13,13 @@ import pytest
 import torch
 
 import moekit
+from moekit.hopper import align, pdl
+from moekit.hopper import grouped_gemm as fused_moe
 from moekit.hopper import launch as L
-from moekit.kernels import activation, align, fused_moe, pdl, reduce
 
-PDL_LAUNCHERS = {
-    "align small": align._SMALL, "align count": align._COUNT, "align scan": align._SCAN,
-    "align scatter": align._SCATTER, "gemm": fused_moe._GEMM,
-    "silu_and_mul": activation._SILU, "silu_and_mul fp8": activation._SILU_FP8, "reduce": reduce._REDUCE,
-}  # fmt: skip
+# The wing's own kernels carry PDL; the book's kernels (count, scan, scatter, activation, reduce)
+# launch as the tutorials do, without it.
+PDL_LAUNCHERS = {"align small": align._SMALL, "align medium": align._MEDIUM, "gemm": fused_moe._GEMM}
 
 
 MEMORY_OPS = {"load", "store", "atomic_add", "atomic_max", "atomic_min", "atomic_cas", "atomic_xchg", "gather"}
@@ -56,7 +55,7 @@ def test_the_persistent_gemm_is_launched_without_it():
 
 @pytest.mark.parametrize("rows, on", [(pdl.MAX_ROWS, True), (pdl.MAX_ROWS + 1, False)])
 def test_triton_experts_launch_large_chunks_without_it(monkeypatch, rows, on):
-    from moekit.experts import TritonExperts
+    from moekit.hopper.experts import HopperTritonExperts as TritonExperts
 
     seen = []
     monkeypatch.setattr(TritonExperts, "_apply", lambda self, call: seen.append(not pdl._OFF.get()) or "triton")
@@ -122,7 +121,7 @@ def test_the_launcher_passes_the_flag_and_option_and_keys_by_them(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("quant", ["bf16", "fp8"])
 def test_the_layer_gives_the_same_bits_with_and_without_it(quant):
-    from moekit.experts import TritonExperts
+    from moekit.hopper.experts import HopperTritonExperts as TritonExperts
     from moekit.hopper.graphed import GraphedKernel
     from moekit.modular_kernel import ModularKernel
     from moekit.prepare_finalize import NoEPPrepareFinalize

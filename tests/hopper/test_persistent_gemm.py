@@ -18,7 +18,7 @@ from moekit.kernels.align import moe_align_block_size
 from moekit.quant import FP8, FP8_GROUP, quantize_fp8_block, quantize_fp8_per_token_group
 from moekit.testing import assert_close, expect_raises
 
-from .test_fused_moe import gemm_spec
+from .test_grouped_gemm import gemm_spec
 
 
 def persistent(cfg: KernelConfig) -> KernelConfig:
