@@ -20,7 +20,7 @@ GEMM1 can also finish with silu_and_mul (and the fp8 requantization) in its epil
 address instructions); the gathered activation rows always use per-thread async copies. The
 padding rows of a block load nothing (masked), and with ``KernelConfig.TAIL_M`` a block holding
 at most ``TAIL_M`` real rows (an expert's last) runs a ``TAIL_M``-row tile. Side by side with
-vLLM's kernel on an H200: ``benchmarks/gpu_gemm_vs_vllm.py``; registers, spills and shared
+vLLM's kernel on an H200: ``benchmarks/research/gpu_gemm_vs_vllm.py``; registers, spills and shared
 memory of the compiled variants: ``benchmarks.kernel_report.kernel_reports(_fused_moe_kernel)``.
 """
 

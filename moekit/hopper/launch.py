@@ -2,7 +2,7 @@
 
 ``fn[grid](*args, **constexprs)`` binds every argument, specializes it (dtype, 16-byte
 alignment, ``== 1`` and ``% 16`` of ints), builds a cache key and looks the compiled variant up,
-on every call. On the lent H200's host (2026-12-01, Triton 3.6, ``benchmarks/gpu_launch_cost.py``)
+on every call. On the lent H200's host (2026-12-01, Triton 3.6, ``benchmarks/research/gpu_launch_cost.py``)
 that took 12.5 µs for the 8-argument weighted sum and 29 µs for the 53-argument grouped GEMM,
 of which the compiled kernel's own launcher took 5.2 and 7.3 µs.
 

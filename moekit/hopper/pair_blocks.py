@@ -27,7 +27,7 @@ import torch
 from moekit.kernels.align import check_layout_args
 
 # Up to this many pairs TritonExperts skips the align (M <= 2 at top-8). Qwen3-30B-A3B bf16 on an H200,
-# CUDA graphs, pairs / align (benchmarks/gpu_pdl.py --compare pairs, 2026-12-02): M=1 24.8 / 26.6 us,
+# CUDA graphs, pairs / align (benchmarks/research/gpu_pdl.py --compare pairs, 2026-12-02): M=1 24.8 / 26.6 us,
 # M=2 45.5 / 47.1, M=4 77.0 / 77.3 (level: from there an expert's weights are read twice more often).
 PAIR_MAX = 16
 

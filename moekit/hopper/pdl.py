@@ -20,7 +20,7 @@ The persistent GEMM (``moekit.hopper.persistent_gemm``, the large-M tiles) is la
 With it, that kernel alone ran 7-11% slower in the profiler (Qwen3 M=16384 with the fused
 activation, 2.00-2.03 -> 2.17-2.24 ms) whether it let the next kernel launch at its start or only
 at its exit, and the layer with the fused activation up to 7% slower at M = 4096-32768; launched
-plainly, the layer was back within 1% of no PDL at all (``benchmarks/gpu_pdl.py``, H200,
+plainly, the layer was back within 1% of no PDL at all (``benchmarks/research/gpu_pdl.py``, H200,
 2026-12-02). The kernels after it still carry the attribute: a kernel that never triggers lets the
 next one launch when it exits.
 
