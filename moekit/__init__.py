@@ -23,15 +23,31 @@ __version__ = "0.1.0"
 _LAZY = {
     "count_expert_num_tokens": ("moekit.kernels.count", "count_expert_num_tokens"),
     "ModularKernel": ("moekit.modular_kernel", "ModularKernel"),
-    "GraphedKernel": ("moekit.hopper.graphed", "GraphedKernel"),
     "fused_moe": ("moekit.api", "fused_moe"),
     "Trace": ("moekit.trace", "Trace"),
     "ChunkRecord": ("moekit.trace", "ChunkRecord"),
 }
 
 
-_SUBMODULES = {"api", "backends", "cli", "ep", "experts", "hopper", "integrations", "kernels", "modular_kernel",
-               "plan", "prepare_finalize", "roofline", "testing", "trace", "validate", "viz", "widgets", "workspace"}
+_SUBMODULES = {
+    "api",
+    "backends",
+    "cli",
+    "ep",
+    "experts",
+    "integrations",
+    "kernels",
+    "modular_kernel",
+    "plan",
+    "prepare_finalize",
+    "roofline",
+    "testing",
+    "trace",
+    "validate",
+    "viz",
+    "widgets",
+    "workspace",
+}
 
 
 def __getattr__(name):
@@ -56,7 +72,6 @@ __all__ = [
     "ChunkRecord",
     "ExpertPlacement",
     "ExpertTokensMetadata",
-    "GraphedKernel",
     "ModularKernel",
     "MoEWeights",
     "Prepared",

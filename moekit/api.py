@@ -2,18 +2,59 @@
 
 from __future__ import annotations
 
+import importlib
 import threading
 from collections import OrderedDict
+from collections.abc import Collection
 
 import torch
 
-from moekit.experts import experts_class
+from moekit.device import is_hopper
+from moekit.errors import InvalidInputError
+from moekit.experts import Experts
 from moekit.modular_kernel import ModularKernel
 from moekit.plan import validate_chunk_size
 from moekit.prepare_finalize.no_ep import NoEPPrepareFinalize
 from moekit.quant import FP8
 from moekit.types import QuantScheme
 from moekit.workspace import pool_device, shared_pool
+
+# The one registry of short names (Standard-format experts only), wherever a name is accepted:
+# moekit.fused_moe(experts=...), moekit.integrations.transformers.register(experts=..., fp8_experts=...),
+# moekit.ep, the benchmark harness. Each name maps to the class it builds.
+BY_NAME = {
+    "triton": "TritonExperts",  # HopperTritonExperts on a Hopper GPU (experts_class)
+    "hopper": "HopperTritonExperts",
+    "deep_gemm": "DeepGemmExperts",
+    "triton_or_deep_gemm": "TritonOrDeepGemmExperts",
+    "grouped_mm": "GroupedMMExperts",
+}
+
+
+def experts_class(name: str, *, among: Collection[str] | None = None, what: str = "experts") -> type[Experts]:
+    """The Standard-format experts class for a short name of :data:`BY_NAME` ("triton", "deep_gemm", ...).
+
+    "triton" is the wing's ``HopperTritonExperts`` (:mod:`moekit.hopper`) on a Hopper GPU and the
+    book's ``TritonExperts`` anywhere else, the interpreter included; "hopper" is always the wing's.
+
+    Args:
+        name: the short name.
+        among: the names this caller accepts (a subset of :data:`BY_NAME`; default: all of them).
+        what: how the caller calls the argument, for the error (``"fp8_experts"``).
+
+    Raises:
+        InvalidInputError: ``name`` is not one of ``among``, e.g. ``experts must be one of
+            ['deep_gemm', 'grouped_mm', 'hopper', 'triton', 'triton_or_deep_gemm'], got 'cutlass'``.
+    """
+    names = BY_NAME if among is None else among
+    unknown = sorted(set(names) - set(BY_NAME))
+    if unknown:
+        raise InvalidInputError(f"among must hold names of moekit.api.BY_NAME {sorted(BY_NAME)}, got {unknown}")
+    if not isinstance(name, str) or name not in names:
+        raise InvalidInputError(f"{what} must be one of {sorted(names)}, got {name!r}")
+    if name == "hopper" or (name == "triton" and is_hopper()):
+        return importlib.import_module("moekit.hopper.experts").HopperTritonExperts
+    return getattr(importlib.import_module("moekit.experts"), BY_NAME[name])
 
 
 class KernelCache:
@@ -33,9 +74,13 @@ class KernelCache:
         with self._lock:
             kernel = self._kernels.get(key)
             if kernel is None:
-                kernel = ModularKernel(NoEPPrepareFinalize(), experts_class(experts)(quant=quant),
-                                       chunk_size=chunk_size, trace_counts=False,
-                                       pool=shared_pool(device))  # fmt: skip
+                kernel = ModularKernel(
+                    NoEPPrepareFinalize(),
+                    experts_class(experts)(quant=quant),
+                    chunk_size=chunk_size,
+                    trace_counts=False,
+                    pool=shared_pool(device),
+                )
                 self._kernels[key] = kernel
                 while len(self._kernels) > self.size:
                     self._kernels.popitem(last=False)
@@ -79,7 +124,7 @@ def fused_moe(
     Args:
         hidden: ``[M, K]`` activations. w1: ``[E, N, K]``. w2: ``[E, K, N/2]``.
         topk_weights, topk_ids: ``[M, topk]`` from :func:`moekit.routing.route`.
-        experts: a name of :data:`moekit.experts.BY_NAME` ("triton", "deep_gemm", "triton_or_deep_gemm",
+        experts: a name of :data:`BY_NAME` ("triton", "deep_gemm", "triton_or_deep_gemm",
             "grouped_mm").
         chunk_size: tokens per chunk (None: one chunk).
         expert_map, global_num_experts: expert parallelism within one process (see

@@ -13,7 +13,7 @@ Under the interpreter, importing moekit also:
 - warns about Triton < 3.7 with numpy >= 2.4: that interpreter crashes on every kernel with a
   loop bounded at run time ("only 0-dimensional arrays can be converted to Python scalars"); a
   moekit launch that meets the crash raises BackendUnavailableError with the advice
-  (:func:`interpreter_advice`, read by ``moekit.hopper.launch``);
+  (:func:`interpreter_advice`, read by the Hopper wing's launcher);
 - makes interpreted launches take turns, process-wide (:func:`_serialize_interpreted_launches`).
 """
 
@@ -102,8 +102,11 @@ def _sanitizing_in_vain(options) -> bool:
     third of an interpreted grouped GEMM's time (cProfile, December 2026). So moekit's launch wrapper
     turns the check off for the launch, and back on after it, exactly when it could not fire.
     """
-    return (dataclasses.is_dataclass(options) and getattr(options, "sanitize_overflow", False) is True
-            and getattr(options, "debug", True) is False)  # fmt: skip
+    return (
+        dataclasses.is_dataclass(options)
+        and getattr(options, "sanitize_overflow", False) is True
+        and getattr(options, "debug", True) is False
+    )
 
 
 def _patch_lang_once(patch_lang, scope_type, langs: tuple):
@@ -227,7 +230,7 @@ def has_tma(device: torch.device | None = None) -> bool:
 
 def is_hopper(device: torch.device | None = None) -> bool:
     """True on a compute capability 9.x GPU (an H100 or H200), where the wing's kernels
-    (:mod:`moekit.hopper`) are the default. False under the interpreter."""
+    are the default. False under the interpreter."""
     if _INTERPRETING or not torch.cuda.is_available():
         return False
     index = torch.cuda.current_device() if device is None or device.index is None else device.index

@@ -81,9 +81,19 @@ class RankResult:
 
 def global_problem(config: EPConfig) -> MoEProblem:
     """The whole problem (all ranks' tokens, all E experts) on the CPU, identical on every rank."""
-    return make_problem(sum(config.Ms), E=config.E, topk=config.topk, K=config.K, N=config.N, dtype=config.dtype,
-                        quant=config.quant, skew=config.skew, empty_every=config.empty_every, seed=config.seed,
-                        device="cpu")  # fmt: skip
+    return make_problem(
+        sum(config.Ms),
+        E=config.E,
+        topk=config.topk,
+        K=config.K,
+        N=config.N,
+        dtype=config.dtype,
+        quant=config.quant,
+        skew=config.skew,
+        empty_every=config.empty_every,
+        seed=config.seed,
+        device="cpu",
+    )
 
 
 def run_rank(rank: int, world_size: int, config: EPConfig, *, gather: bool = True) -> RankResult:
@@ -94,8 +104,8 @@ def run_rank(rank: int, world_size: int, config: EPConfig, *, gather: bool = Tru
     inputs are bad) is caught and reported in ``RankResult.error``; the counts are then those of
     the chunks that ran (none when the forward failed at its door).
     """
+    from moekit.api import experts_class
     from moekit.distributed import gather_traces
-    from moekit.experts import experts_class
     from moekit.modular_kernel import ModularKernel
     from moekit.prepare_finalize.all2all import All2AllPrepareFinalize
     from moekit.validate import check_flag
@@ -121,10 +131,15 @@ def run_rank(rank: int, world_size: int, config: EPConfig, *, gather: bool = Tru
             metadata_policy=config.metadata_policy,
         )
         out = kernel(
-            p.hidden[mine].to(device), local.w1.to(device), local.w2.to(device),
-            p.topk_weights[mine].to(device), p.topk_ids[mine].to(device),
-            expert_map=local.expert_map.to(device), global_num_experts=config.E, **scales,
-        )  # fmt: skip
+            p.hidden[mine].to(device),
+            local.w1.to(device),
+            local.w2.to(device),
+            p.topk_weights[mine].to(device),
+            p.topk_ids[mine].to(device),
+            expert_map=local.expert_map.to(device),
+            global_num_experts=config.E,
+            **scales,
+        )
     except MoekitError as e:
         error = f"{type(e).__name__}: {e}"
     trace = kernel.last_trace if kernel is not None else None
@@ -164,8 +179,10 @@ def format_results(results: list[RankResult]) -> str:
     lines = []
     for r in results:
         status = r.error or f"max |err| {r.max_abs_err:.3g} ({'ok' if r.close else 'MISMATCH'})"
-        lines.append(f"rank {r.rank}: M={r.M} tokens, received {r.received} (token, slot) rows "
-                     f"(from each rank: {r.received_from}); {status}")
+        lines.append(
+            f"rank {r.rank}: M={r.M} tokens, received {r.received} (token, slot) rows "
+            f"(from each rank: {r.received_from}); {status}"
+        )
         for i, row in enumerate(r.counts.tolist()):
             lines.append(f"  chunk {i} [{r.backends[i] if i < len(r.backends) else '?'}]: {row}")
     return "\n".join(lines)
@@ -210,8 +227,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--quant", default=None, choices=("none", "fp8_block"), help="default: fp8 unless triton")
     ap.add_argument("--metadata-policy", default="per_chunk", choices=("per_chunk", "whole_batch"))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--timeout", type=_number(float, low=0.001), default=300.0,
-                    help="seconds, for the run and each collective")  # fmt: skip
+    ap.add_argument(
+        "--timeout", type=_number(float, low=0.001), default=300.0, help="seconds, for the run and each collective"
+    )
     return ap
 
 
@@ -222,9 +240,19 @@ def _config(ap: argparse.ArgumentParser, args, world_size: int) -> EPConfig:
     if args.topk > args.E:
         ap.error(f"--topk {args.topk} is more than --E {args.E} experts")
     quant = QuantScheme(args.quant or ("none" if args.experts == "triton" else "fp8_block"))
-    return EPConfig(tuple(Ms), E=args.E, topk=args.topk, K=args.K, N=args.N, chunk_size=args.chunk_size,
-                    experts=args.experts, quant=quant, metadata_policy=args.metadata_policy, seed=args.seed,
-                    timeout_s=args.timeout)  # fmt: skip
+    return EPConfig(
+        tuple(Ms),
+        E=args.E,
+        topk=args.topk,
+        K=args.K,
+        N=args.N,
+        chunk_size=args.chunk_size,
+        experts=args.experts,
+        quant=quant,
+        metadata_policy=args.metadata_policy,
+        seed=args.seed,
+        timeout_s=args.timeout,
+    )
 
 
 def main(argv=None) -> int:
@@ -247,8 +275,13 @@ def main(argv=None) -> int:
                 return 0 if all(r.close for r in results) else 1
         else:
             world_size = args.world_size or 1
-            results = launch(run_rank, world_size, backend=args.backend, args=(_config(ap, args, world_size),),
-                             timeout_s=args.timeout)  # fmt: skip
+            results = launch(
+                run_rank,
+                world_size,
+                backend=args.backend,
+                args=(_config(ap, args, world_size),),
+                timeout_s=args.timeout,
+            )
     except MoekitError as e:  # a rank failed outside the forward (its traceback is in the message)
         print(f"python -m moekit.ep: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
@@ -257,8 +290,20 @@ def main(argv=None) -> int:
 
 
 def _summary(r: RankResult) -> RankResult:
-    return RankResult(r.rank, r.M, r.received, None, r.reference[:0], r.max_abs_err, r.close, r.counts,
-                      r.backends, r.tokens_meta, r.received_from, r.error)
+    return RankResult(
+        r.rank,
+        r.M,
+        r.received,
+        None,
+        r.reference[:0],
+        r.max_abs_err,
+        r.close,
+        r.counts,
+        r.backends,
+        r.tokens_meta,
+        r.received_from,
+        r.error,
+    )
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ from moekit.errors import ChunkSizeError, InvalidInputError, MoekitError
 from moekit.kernels.host_math import cdiv
 from moekit.plan import TokenPlanner, slice_scales
 from moekit.types import WorkspaceShapes
-from moekit.workspace import _ALIGN, WorkspacePool
+from moekit.workspace import WORKSPACE_ALIGN, WorkspacePool
 
 UPSTREAM_CHUNK_SIZE = 32768  # VLLM_FUSED_MOE_CHUNK_SIZE's default at runtime (its type stub said 64 * 1024)
 
@@ -125,7 +125,7 @@ class WorkspaceLockedError(MoekitError, RuntimeError):
 def pool_bytes(shapes: WorkspaceShapes) -> int:
     """Bytes a :class:`moekit.workspace.WorkspacePool` needs for ``shapes`` (workspace2 starts aligned)."""
     n13, n2, item = math.prod(shapes.workspace13), math.prod(shapes.workspace2), shapes.itemsize
-    return -(-n13 * item // _ALIGN) * _ALIGN + n2 * item
+    return -(-n13 * item // WORKSPACE_ALIGN) * WORKSPACE_ALIGN + n2 * item
 
 
 class LockablePool(WorkspacePool):
@@ -184,8 +184,9 @@ class ProfileRunReservation:
         if self.reserved is None:
             batch = plan.batch
             meta = batch.prepared.tokens_meta if self.with_counts else None
-            self.reserved = plan.experts.workspace_shapes(batch.problem.with_M(self.chunk_size),
-                                                          act_dtype=batch.prepared.a1q.dtype, tokens_meta=meta)
+            self.reserved = plan.experts.workspace_shapes(
+                batch.problem.with_M(self.chunk_size), act_dtype=batch.prepared.a1q.dtype, tokens_meta=meta
+            )
             self.pool.take(self.reserved)
         return own
 

@@ -134,8 +134,9 @@ class ModularKernel:
         else:
             self.planner = TokenPlanner(chunk_size)
         self.chunk_size = chunk_size
-        self.workspaces = PerChunkWorkspaces() if workspace_policy == "per_chunk" else DeclaredOnceWorkspaces(
-            experts, guard=guard)  # fmt: skip
+        self.workspaces = (
+            PerChunkWorkspaces() if workspace_policy == "per_chunk" else DeclaredOnceWorkspaces(experts, guard=guard)
+        )
         self.metadata = METADATA_POLICIES[metadata_policy]()
         self._local = threading.local()
         self._seen = SeenValues()  # the expert maps and scales whose values this kernel checked already
@@ -204,15 +205,17 @@ class ModularKernel:
         """
         self._local.trace = None
         try:
-            weights, placement, problem = self._door(hidden, w1, w2, topk_weights, topk_ids, expert_map,
-                                                     global_num_experts, w1_scale, w2_scale, a2_scale)  # fmt: skip
+            weights, placement, problem = self._door(
+                hidden, w1, w2, topk_weights, topk_ids, expert_map, global_num_experts, w1_scale, w2_scale, a2_scale
+            )
         except MoekitError as error:
             if self.prepare_finalize.collective:
                 self.prepare_finalize.refuse(error)
             raise
         M, K = hidden.shape
-        trace = Trace(M, self.chunk_size, self.experts.name, self.workspace_policy, self.metadata_policy,
-                      chunk_by=self.chunk_by)  # fmt: skip
+        trace = Trace(
+            M, self.chunk_size, self.experts.name, self.workspace_policy, self.metadata_policy, chunk_by=self.chunk_by
+        )
         self._local.trace = trace
         if M == 0 and not self.prepare_finalize.collective:  # upstream divided by zero here (#26523)
             return hidden.new_empty((0, K))
@@ -223,8 +226,9 @@ class ModularKernel:
                 hidden, topk_weights, topk_ids, quant=self.experts.quant, placement=placement
             )
             out_dtype = self.experts.compute_dtype(hidden.dtype)
-            batch = Batch(prepared, weights, placement, self._rows_problem(prepared, problem), out_dtype, a2_scale,
-                          self.guard)  # fmt: skip
+            batch = Batch(
+                prepared, weights, placement, self._rows_problem(prepared, problem), out_dtype, a2_scale, self.guard
+            )
             fused_out = self._experts_pass(batch, pool, trace)
             output = torch.empty((M, K), dtype=hidden.dtype, device=hidden.device)
             return self.prepare_finalize.finalize(fused_out, prepared, output=output)
@@ -257,8 +261,9 @@ class ModularKernel:
         return None
 
     # ----------------------------------------------------------------------------------------
-    def _door(self, hidden, w1, w2, topk_weights, topk_ids, expert_map, global_num_experts,
-              w1_scale, w2_scale, a2_scale) -> tuple[MoEWeights, ExpertPlacement, ProblemSize]:  # fmt: skip
+    def _door(
+        self, hidden, w1, w2, topk_weights, topk_ids, expert_map, global_num_experts, w1_scale, w2_scale, a2_scale
+    ) -> tuple[MoEWeights, ExpertPlacement, ProblemSize]:
         """Every argument, once, before anything runs (also when M is 0)."""
         check_moe_inputs(hidden, w1, w2, topk_weights, topk_ids)
         weights = MoEWeights(w1, w2, w1_scale, w2_scale)
@@ -301,8 +306,14 @@ class ModularKernel:
         if not self.prepare_finalize.dispatches:
             return problem
         rows = prepared.a1q.shape[1 if self.experts.activation_format is ActivationFormat.BATCHED else 0]
-        return ProblemSize(rows, problem.N, problem.K, prepared.topk_ids.shape[1], problem.global_num_experts,
-                           problem.num_local_experts)  # fmt: skip
+        return ProblemSize(
+            rows,
+            problem.N,
+            problem.K,
+            prepared.topk_ids.shape[1],
+            problem.global_num_experts,
+            problem.num_local_experts,
+        )
 
 
 # ----------------------------------------------------------------------------------------------

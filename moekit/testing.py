@@ -154,8 +154,15 @@ class MoEProblem:
         if self.quant is QuantScheme.FP8_BLOCK:
             hidden = dequantize_fp8_per_token_group(*quantize_fp8_per_token_group(hidden))
         w1, w2 = self.float_weights()
-        return moe_reference(hidden, w1, w2, self.topk_weights[rows], self.topk_ids[rows],
-                             expert_map=self.expert_map, apply_weights=apply_weights)  # fmt: skip
+        return moe_reference(
+            hidden,
+            w1,
+            w2,
+            self.topk_weights[rows],
+            self.topk_ids[rows],
+            expert_map=self.expert_map,
+            apply_weights=apply_weights,
+        )
 
     def check(self, out: torch.Tensor) -> None:
         """Assert ``out`` matches :meth:`reference` within the tolerance of :attr:`dtype`."""
@@ -268,8 +275,22 @@ def experts_call(
     if counts is None and experts.uses_tokens_meta and hidden.dim() == 2:
         counts = launch_count(topk_ids, E_local, placement.expert_map)
     chunk = (SlabChunk if hidden.dim() == 3 else TokenChunk)(0, 0, rows)
-    return ExpertsCall(chunk, output, hidden, hidden_scale, topk_ids, weights, buffers.workspace13, buffers.workspace2,
-                       problem, shapes, placement, counts, tokens_meta, a2_scale)  # fmt: skip
+    return ExpertsCall(
+        chunk,
+        output,
+        hidden,
+        hidden_scale,
+        topk_ids,
+        weights,
+        buffers.workspace13,
+        buffers.workspace2,
+        problem,
+        shapes,
+        placement,
+        counts,
+        tokens_meta,
+        a2_scale,
+    )
 
 
 def wall_ms(fn, *, repeats: int = 3) -> float:

@@ -106,11 +106,30 @@ class Trace:
     def __len__(self) -> int:
         return len(self.chunks)
 
-    def add(self, chunk, backend: str, given: WorkspaceShapes, needed: WorkspaceShapes, output: torch.Tensor,
-            counts: torch.Tensor | None, expert_bytes: int) -> ChunkRecord:  # fmt: skip
+    def add(
+        self,
+        chunk,
+        backend: str,
+        given: WorkspaceShapes,
+        needed: WorkspaceShapes,
+        output: torch.Tensor,
+        counts: torch.Tensor | None,
+        expert_bytes: int,
+    ) -> ChunkRecord:
         """Record a chunk before its experts run (not ``completed`` until :meth:`ChunkRecord.finish`)."""
-        record = ChunkRecord(chunk.index, chunk.start, chunk.end, backend, given, tuple(output.shape), counts,
-                             needed, False, "", expert_bytes)  # fmt: skip
+        record = ChunkRecord(
+            chunk.index,
+            chunk.start,
+            chunk.end,
+            backend,
+            given,
+            tuple(output.shape),
+            counts,
+            needed,
+            False,
+            "",
+            expert_bytes,
+        )
         self.chunks.append(record)
         return record
 

@@ -184,8 +184,9 @@ def expert_bytes(N: int, K: int, dtype: torch.dtype, *, scaled: bool) -> int:
     weights = (N * K + K * (N // 2)) * dtype.itemsize
     if not scaled:
         return weights
-    return weights + 4 * (math.ceil(N / FP8_GROUP) * math.ceil(K / FP8_GROUP)
-                          + math.ceil(K / FP8_GROUP) * math.ceil(N // 2 / FP8_GROUP))  # fmt: skip
+    return weights + 4 * (
+        math.ceil(N / FP8_GROUP) * math.ceil(K / FP8_GROUP) + math.ceil(K / FP8_GROUP) * math.ceil(N // 2 / FP8_GROUP)
+    )
 
 
 @dataclass

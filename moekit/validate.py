@@ -161,15 +161,23 @@ def check_moe_inputs(
             f"and {tuple(topk_weights.shape)}"
         )
     where, meta = hidden.get_device(), hidden.is_meta  # get_device: -1 on the CPU (and meta), else the index
-    if (w1.get_device() != where or w2.get_device() != where or topk_weights.get_device() != where
-            or topk_ids.get_device() != where or meta != w1.is_meta or meta != w2.is_meta
-            or meta != topk_weights.is_meta or meta != topk_ids.is_meta):  # fmt: skip
+    if (
+        w1.get_device() != where
+        or w2.get_device() != where
+        or topk_weights.get_device() != where
+        or topk_ids.get_device() != where
+        or meta != w1.is_meta
+        or meta != w2.is_meta
+        or meta != topk_weights.is_meta
+        or meta != topk_ids.is_meta
+    ):
         names = ("hidden", "w1", "w2", "topk_weights", "topk_ids")
         tensors = (hidden, w1, w2, topk_weights, topk_ids)
         got = ", ".join(f"{n} on {t.device}" for n, t in zip(names, tensors, strict=True))
         raise InvalidInputError(f"all tensors must be on one device, got {got}")
-    if torch.is_grad_enabled() and (hidden.requires_grad or w1.requires_grad or w2.requires_grad
-                                    or topk_weights.requires_grad):  # fmt: skip
+    if torch.is_grad_enabled() and (
+        hidden.requires_grad or w1.requires_grad or w2.requires_grad or topk_weights.requires_grad
+    ):
         raise InvalidInputError(
             "moekit's MoE layer is inference-only: no gradient flows through its kernels, but an input "
             "requires grad; run it under torch.no_grad() or torch.inference_mode()"
@@ -255,7 +263,10 @@ def _placement(E_global: int, E_local: int) -> ExpertPlacement:
 
 
 def check_placement(
-    w1: torch.Tensor, expert_map: torch.Tensor | None, global_num_experts, device: torch.device,
+    w1: torch.Tensor,
+    expert_map: torch.Tensor | None,
+    global_num_experts,
+    device: torch.device,
     seen: SeenValues | None = None,
 ) -> ExpertPlacement:
     """Which experts this call holds: E_local from w1, E_global from the argument or the map; a map's

@@ -29,7 +29,7 @@ import torch
 from moekit.errors import InvalidInputError
 from moekit.types import WorkspaceShapes
 
-_ALIGN = 256  # bytes; keeps workspace2 aligned for vector loads and TMA
+WORKSPACE_ALIGN = 256  # bytes; keeps workspace2 aligned for vector loads and TMA
 
 
 def _round_up(x: int, m: int) -> int:
@@ -106,7 +106,7 @@ class WorkspacePool:
             return views
         item = shapes.itemsize
         n13, n2 = math.prod(shapes.workspace13), math.prod(shapes.workspace2)
-        off2 = _round_up(n13 * item, _ALIGN)
+        off2 = _round_up(n13 * item, WORKSPACE_ALIGN)
         need = off2 + n2 * item
         self.peak_bytes = max(self.peak_bytes, need)
         if need > self._buffer.numel():

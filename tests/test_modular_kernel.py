@@ -432,7 +432,7 @@ def _checks_made(fn) -> dict[str, int]:
 @pytest.mark.parametrize("experts", ["triton", "grouped_mm", "deep_gemm"])
 def test_the_checks_do_not_grow_with_the_chunks(experts):
     """One forward checks its arguments at the door; four chunks check nothing more than one."""
-    from moekit.experts import experts_class
+    from moekit.api import experts_class
     from moekit.testing import make_problem
     from moekit.types import QuantScheme
 

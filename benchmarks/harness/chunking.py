@@ -23,8 +23,8 @@ import torch
 from benchmarks.ceilings import H200
 from benchmarks.harness import common, measure
 from moekit import roofline
+from moekit.api import BY_NAME, experts_class
 from moekit.errors import MoekitError
-from moekit.experts import BY_NAME, experts_class
 from moekit.quant import FP8
 
 TARGET_C, TARGET_RATIO = 1024, 1.08
@@ -62,7 +62,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def make_experts(name: str, dtype: str):
-    """The experts of ``name`` (:data:`moekit.experts.BY_NAME`) for the harness's ``dtype``."""
+    """The experts of ``name`` (:data:`moekit.api.BY_NAME`) for the harness's ``dtype``."""
     return experts_class(name)(quant=common.quant_of(dtype))
 
 

@@ -18,7 +18,7 @@ A problem is a :class:`moekit.testing.MoEProblem` (see :mod:`benchmarks.harness.
 - ``triton`` / ``triton_chunked``: moekit's HopperTritonExperts (the wing) through ModularKernel, one chunk or
   chunks of C tokens; ``triton_fused``: one chunk with silu_and_mul in GEMM1's epilogue
   (``HopperTritonExperts(fuse_activation=True)``); ``triton_graphed``: the one-chunk kernel through
-  ``moekit.GraphedKernel``
+  ``moekit.hopper.graphed.GraphedKernel``
   (its eager time is a CUDA-graph replay per call; inside the harness's own capture it runs the
   plain forward).
 - ``deep_gemm`` / ``deep_gemm_triton``: DeepGemmExperts (fp8 block) on the real deep_gemm, or on

@@ -42,7 +42,7 @@ from moekit.kernels.align import moe_align_block_size
 from moekit.hopper.configs import get_config
 from moekit.hopper.grouped_gemm import GatedOutput, _fused_moe_kernel, fused_moe_gemm
 from moekit.hopper.gemm_args import RowWindow
-from moekit.hopper.persistent_gemm import _persistent_moe_kernel
+from moekit.hopper.grouped_gemm import _persistent_moe_kernel
 from moekit.roofline import SHAPES
 
 _WIDE = ["128x256x64 g8 w8 s3 t p", "128x256x64 g8 w8 s4 t p", "128x256x64 g8 w8 s3 t p ws",

@@ -37,7 +37,7 @@ from benchmarks.harness import measure
 from moekit.kernels.align import launch_align
 from moekit.kernels.activation import launch_silu_and_mul
 from moekit.hopper.configs import get_config
-from moekit.hopper.grouped_gemm import launch_gemm
+from moekit.hopper.grouped_gemm import fused_moe_gemm
 from moekit.kernels.reduce import launch_weighted_topk_sum
 from moekit.testing import make_problem
 
@@ -121,14 +121,14 @@ def case(M: int, *, E: int, topk: int, K: int, I: int) -> list[dict]:
     part = torch.empty(8, R, max(N, K), device="cuda", dtype=torch.float32)
 
     def base1(i, cfg=cfg1):
-        launch_gemm(sets[i].hidden, base.w1, ws13, blocks[i], pairs_per_row=topk, config=cfg)
+        fused_moe_gemm(sets[i].hidden, base.w1, ws13, blocks[i], pairs_per_row=topk, config=cfg, check=False)
         launch_silu_and_mul(ws13, ws2, R, I, x_stride=N, out_stride=I)
 
     def base1_only(i, cfg=cfg1):
-        launch_gemm(sets[i].hidden, base.w1, ws13, blocks[i], pairs_per_row=topk, config=cfg)
+        fused_moe_gemm(sets[i].hidden, base.w1, ws13, blocks[i], pairs_per_row=topk, config=cfg, check=False)
 
     def base2(i, cfg=cfg2):
-        launch_gemm(ws2, base.w2, out2, blocks[i], pairs_per_row=1, config=cfg)
+        fused_moe_gemm(ws2, base.w2, out2, blocks[i], pairs_per_row=1, config=cfg, check=False)
         launch_weighted_topk_sum(out2, sets[i].topk_weights, fin)
 
     def split1(i, S, BN, stages, act=True):

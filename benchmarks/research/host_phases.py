@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import moekit
-from moekit.experts import TritonExperts
+from moekit.hopper.experts import HopperTritonExperts
 from moekit.prepare_finalize import NoEPPrepareFinalize
 from moekit.testing import make_problem
 
@@ -49,7 +49,8 @@ def main(argv=None) -> int:
     ap.add_argument("--M", type=int, default=1)
     ap.add_argument("--trace-counts", type=int, default=1)
     args = ap.parse_args(argv)
-    import moekit.experts.triton as T
+    import moekit.experts.triton as B
+    import moekit.hopper.experts as T
     import moekit.modular_kernel as MK
     import moekit.plan as P
     import moekit.prepare_finalize.no_ep as NE
@@ -57,7 +58,7 @@ def main(argv=None) -> int:
 
     device = moekit.device.get_device()
     p = make_problem(args.M, E=128, topk=8, K=2048, N=1536, dtype=torch.bfloat16, device=device)
-    kernel = moekit.ModularKernel(NoEPPrepareFinalize(), TritonExperts(), trace_counts=bool(args.trace_counts))
+    kernel = moekit.ModularKernel(NoEPPrepareFinalize(), HopperTritonExperts(), trace_counts=bool(args.trace_counts))
     forward = lambda: kernel(*p.inputs(), **p.options())
     for _ in range(20):
         forward()
@@ -73,8 +74,8 @@ def main(argv=None) -> int:
     for owner, name, label in ((MK.ModularKernel, "_door", "door"), (NE.NoEPPrepareFinalize, "prepare", "prepare"),
                                (P.TokenPlanner, "plan", "plan"), (MK.ModularKernel, "_counts", "counts"),
                                (P.TokenPlan, "call", "call"), (TR.Trace, "add", "trace.add"),
-                               (T.TritonExperts, "apply", "apply"), (T, "launch_align", "  align"),
-                               (T, "launch_gemm", "  gemm x2"), (T, "launch_silu_and_mul", "  silu"),
+                               (T.HopperTritonExperts, "apply", "apply"), (T, "launch_align", "  align"),
+                               (T, "fused_moe_gemm", "  gemm x2"), (B, "launch_silu_and_mul", "  silu"),
                                (NE.NoEPPrepareFinalize, "finalize", "finalize"),
                                (MK.ModularKernel, "_experts_pass", "experts pass")):  # fmt: skip
         wrap(owner, name, label, acc)

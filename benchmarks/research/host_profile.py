@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import moekit
 from moekit import roofline
 from moekit.hopper.experts import HopperTritonExperts
+from moekit.hopper.graphed import GraphedKernel
 from moekit.prepare_finalize import NoEPPrepareFinalize
 from moekit.testing import make_problem
 
@@ -59,7 +60,7 @@ def main(argv=None) -> int:
     shape = roofline.get_shape("qwen3_30b_a3b")
     p = make_problem(1, E=shape.E, topk=shape.topk, K=shape.K, N=shape.N, dtype=torch.bfloat16, device="cuda")
     kernel = moekit.ModularKernel(NoEPPrepareFinalize(), HopperTritonExperts(), trace_counts=False)
-    graphed = moekit.GraphedKernel(
+    graphed = GraphedKernel(
         moekit.ModularKernel(NoEPPrepareFinalize(), HopperTritonExperts(), trace_counts=False)
     )
     big = make_problem(16384, E=shape.E, topk=shape.topk, K=shape.K, N=shape.N, dtype=torch.bfloat16, device="cuda")

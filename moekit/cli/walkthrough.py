@@ -61,13 +61,22 @@ def build_parser() -> argparse.ArgumentParser:
         metavar=("NAME", "VALUE"),
         help="set NAME in every notebook that declares it (repeatable)",
     )
-    p.add_argument("--only", nargs="+", default=None, metavar="NN",
-                   help="run only these notebooks (prefixes); NN:NAME=VALUE items here are overrides")
+    p.add_argument(
+        "--only",
+        nargs="+",
+        default=None,
+        metavar="NN",
+        help="run only these notebooks (prefixes); NN:NAME=VALUE items here are overrides",
+    )
     p.add_argument("--notebooks", type=Path, default=None, help="folder of notebooks (default: <repo>/notebooks)")
     p.add_argument("--out", type=Path, default=None, help="output folder (default: <repo>/build/walkthrough)")
     p.add_argument("--timeout", type=int, default=300, help="seconds per cell before a notebook fails")
-    p.add_argument("--jobs", type=_positive, default=min(2, os.cpu_count() or 1),
-                   help="notebooks run at once, each in its own kernel process (default: 2, or 1 on one core)")
+    p.add_argument(
+        "--jobs",
+        type=_positive,
+        default=min(2, os.cpu_count() or 1),
+        help="notebooks run at once, each in its own kernel process (default: 2, or 1 on one core)",
+    )
     p.add_argument("--no-html", action="store_true", help="skip the nbconvert HTML export")
     p.add_argument("--update-docs", action="store_true", help="copy the figures to --docs-dir")
     p.add_argument("--docs-dir", type=Path, default=None, help="default: <repo>/docs/figures")
@@ -102,15 +111,21 @@ def main(argv: list[str] | None = None) -> int:
         unmatched = [o for o in args.only if not any(n.stem.startswith(o) for n in every)]
         if unmatched or not notebooks:
             names = ", ".join(n.stem for n in every)
-            print(f"moekit walkthrough: no notebook matches {', '.join(map(repr, unmatched or args.only))}; "
-                  f"the notebooks are: {names}", file=sys.stderr)
+            print(
+                f"moekit walkthrough: no notebook matches {', '.join(map(repr, unmatched or args.only))}; "
+                f"the notebooks are: {names}",
+                file=sys.stderr,
+            )
             return 2
     global_params = {k: parse_value(v) for k, v in args.parameter}
     scoped = scoped_overrides(args.overrides)
     for scope, key, _ in scoped:
         if not any(n.stem == scope or n.stem.split("_")[0] == scope for n in notebooks):
-            print(f"moekit walkthrough: {scope}:{key}=... names no notebook of this run "
-                  f"({', '.join(n.stem for n in notebooks)})", file=sys.stderr)
+            print(
+                f"moekit walkthrough: {scope}:{key}=... names no notebook of this run "
+                f"({', '.join(n.stem for n in notebooks)})",
+                file=sys.stderr,
+            )
             return 2
     plans = [(n, parameters_for(n, declared_parameters(n), global_params, scoped)) for n in notebooks]
     shutil.rmtree(out_dir / "figures", ignore_errors=True)
@@ -119,10 +134,16 @@ def main(argv: list[str] | None = None) -> int:
     results: list[Result | None] = [None] * len(plans)
     # Each notebook runs in a kernel process of its own: threads here only wait on them. The
     # table and the index keep the notebooks' order, whichever finishes first.
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool, \
-            tqdm(total=len(plans), unit="notebook", file=sys.stderr, dynamic_ncols=True) as bar:
-        futures = {pool.submit(run_one, notebook, out_dir, params, kernel=kernel, timeout=args.timeout,
-                               html_report=not args.no_html): i for i, (notebook, params) in enumerate(plans)}
+    with (
+        ThreadPoolExecutor(max_workers=args.jobs) as pool,
+        tqdm(total=len(plans), unit="notebook", file=sys.stderr, dynamic_ncols=True) as bar,
+    ):
+        futures = {
+            pool.submit(
+                run_one, notebook, out_dir, params, kernel=kernel, timeout=args.timeout, html_report=not args.no_html
+            ): i
+            for i, (notebook, params) in enumerate(plans)
+        }
         for done in as_completed(futures):
             r = results[futures[done]] = done.result()
             bar.update(1)

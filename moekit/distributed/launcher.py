@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from moekit.distributed.collectives import to_cpu
-from moekit.distributed.process_group import _NCCL_SAFETY_ENV, _check_backend, _init
+from moekit.distributed.process_group import NCCL_SAFETY_ENV, check_backend, join_group
 from moekit.errors import DistributedError, InvalidInputError
 
 _GRACE_S = 3.0  # after one rank fails, how long to wait for the others' reports before killing them
@@ -76,7 +76,7 @@ def _child(rank, world_size, port, backend, ref: _FnRef, args, timeout_s, result
         fn = ref.resolve()
         timeout = datetime.timedelta(seconds=timeout_s)
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
-        _init(backend, rank, world_size, timeout_s, store=store)
+        join_group(backend, rank, world_size, timeout_s, store=store)
         value = to_cpu(fn(rank, world_size, *args))
         results.put((rank, True, pickle.dumps(value)))
     except BaseException:  # noqa: B036  (the parent must hear about every failure, even SystemExit)
@@ -113,14 +113,14 @@ def launch(
         DistributedError: a rank raised (the message holds that rank's traceback; when several
             failed, the first to report leads), died, or the run exceeded ``timeout_s``.
     """
-    backend = _check_backend(backend, world_size, timeout_s)
+    backend = check_backend(backend, world_size, timeout_s)
     if not isinstance(args, tuple):
         raise InvalidInputError(f"args must be a tuple (fn(rank, world_size, *args)), got {type(args).__name__}")
     ref = _FnRef.of(fn)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     store = _loopback_store(timeout_s)
-    env = dict(_NCCL_SAFETY_ENV) if backend == "nccl" else {}
+    env = dict(NCCL_SAFETY_ENV) if backend == "nccl" else {}
     if backend == "gloo":
         env["GLOO_SOCKET_IFNAME"] = _loopback_interface()  # else gloo binds what the hostname resolves to
     if backend == "gloo" and torch.cuda.is_available():
@@ -129,8 +129,9 @@ def launch(
     os.environ.update(env)  # spawned children copy the environment at start
     try:
         procs = [
-            ctx.Process(target=_child, daemon=True,
-                        args=(r, world_size, store.port, backend, ref, args, timeout_s, results))
+            ctx.Process(
+                target=_child, daemon=True, args=(r, world_size, store.port, backend, ref, args, timeout_s, results)
+            )
             for r in range(world_size)
         ]
         for p in procs:
@@ -154,9 +155,7 @@ def _start(process) -> None:
     try:
         process.start()
     except (pickle.PicklingError, TypeError, AttributeError) as e:
-        raise InvalidInputError(
-            f"launch's args must pickle (every rank gets a copy): {type(e).__name__}: {e}"
-        ) from e
+        raise InvalidInputError(f"launch's args must pickle (every rank gets a copy): {type(e).__name__}: {e}") from e
 
 
 def _loopback_interface() -> str:
@@ -178,8 +177,9 @@ def _loopback_store(timeout_s: float) -> dist.TCPStore:
     listener.listen(128)
     port = listener.getsockname()[1]
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                          master_listen_fd=listener.fileno(), timeout=timeout)  # fmt: skip
+    store = dist.TCPStore(
+        "127.0.0.1", port, is_master=True, wait_for_workers=False, master_listen_fd=listener.fileno(), timeout=timeout
+    )
     listener.detach()  # the store closes the descriptor now
     return store
 

@@ -17,7 +17,7 @@ import moekit  # first: sets TRITON_INTERPRET in every spawned child before any 
 from moekit.errors import InvalidInputError
 
 BACKENDS = ("gloo", "nccl")
-_NCCL_SAFETY_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+NCCL_SAFETY_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
 
 def default_backend(world_size: int) -> str:
@@ -26,7 +26,7 @@ def default_backend(world_size: int) -> str:
     return "nccl" if on_cuda and torch.cuda.device_count() >= world_size else "gloo"
 
 
-def _check_backend(backend: str | None, world_size: int, timeout_s) -> str:
+def check_backend(backend: str | None, world_size: int, timeout_s) -> str:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size <= 0:
         raise InvalidInputError(f"world_size must be a positive int, got {world_size!r}")
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not timeout_s > 0:
@@ -36,15 +36,17 @@ def _check_backend(backend: str | None, world_size: int, timeout_s) -> str:
         raise InvalidInputError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
     if backend == "nccl" and torch.cuda.device_count() < world_size:
         raise InvalidInputError(
-            f"backend='nccl' needs one GPU per rank: world_size={world_size}, "
-            f"GPUs visible={torch.cuda.device_count()}"
+            f"backend='nccl' needs one GPU per rank: world_size={world_size}, GPUs visible={torch.cuda.device_count()}"
         )
     return backend
 
 
-def _init(backend: str, rank: int, world_size: int, timeout_s: float, **kwargs) -> None:
+def join_group(backend: str, rank: int, world_size: int, timeout_s: float, **kwargs) -> None:
+    """Join the default process group as ``rank`` of ``world_size`` with a ``timeout_s`` on every
+    collective (NCCL: this rank's GPU and the safety environment first); ``kwargs`` go to
+    ``torch.distributed.init_process_group``."""
     if backend == "nccl":
-        os.environ.update(_NCCL_SAFETY_ENV)
+        os.environ.update(NCCL_SAFETY_ENV)
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
     dist.init_process_group(
         backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s), **kwargs
@@ -62,8 +64,10 @@ def torchrun_env() -> tuple[int, int] | None:
         return None
     if rank is None or world is None:
         given, missing = ("RANK", "WORLD_SIZE") if world is None else ("WORLD_SIZE", "RANK")
-        raise InvalidInputError(f"{given} is set but {missing} is not; torchrun sets both (unset {given} to run "
-                                "one process, or pass --world-size to spawn the ranks)")  # fmt: skip
+        raise InvalidInputError(
+            f"{given} is set but {missing} is not; torchrun sets both (unset {given} to run "
+            "one process, or pass --world-size to spawn the ranks)"
+        )
     try:
         r, w = int(rank), int(world)
     except ValueError:
@@ -90,5 +94,5 @@ def init_from_env(*, backend: str | None = None, timeout_s: float = 300.0) -> tu
     if backend is None:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         backend = default_backend(local)
-    _init(backend, rank, world_size, timeout_s, init_method="env://")
+    join_group(backend, rank, world_size, timeout_s, init_method="env://")
     return rank, world_size

@@ -88,7 +88,6 @@ class _BatchedExperts(Experts):
         return meta
 
 
-
 class NaiveBatchedExperts(_BatchedExperts):
     """The reference batched experts: a plain torch loop over local experts, math in fp32.
 
@@ -166,4 +165,3 @@ class BatchedTritonExperts(_BatchedExperts):
             a2, a2_scale = silu_and_mul(rows, out=ws2.view(E * T, N // 2)).view(E, T, N // 2), None
         batched_gemm(a2, w.w2, counts, out=call.output, a_scale=a2_scale, b_scale=w.w2_scale)
         return "triton"
-

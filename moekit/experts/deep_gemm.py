@@ -159,7 +159,7 @@ class DeepGemmExperts(Experts):
         return ""
 
     def _fallback_reason(self, N: int, K: int) -> str:
-        """"" when the real deep_gemm runs both GEMMs of this shape, else why moekit's Triton GEMM
+        """ "" when the real deep_gemm runs both GEMMs of this shape, else why moekit's Triton GEMM
         runs one (the failed build's message) or both."""
         reason = self._layer_reason(N, K)
         if not reason:
@@ -200,8 +200,7 @@ class DeepGemmExperts(Experts):
             return _round_up(pairs + (ALIGN_M - 1) * min(problem.num_local_experts, pairs), ALIGN_M)
         if cpu.numel() != problem.num_local_experts:
             raise InvalidInputError(
-                f"tokens_meta has {cpu.numel()} counts, expected one per local expert "
-                f"({problem.num_local_experts})"
+                f"tokens_meta has {cpu.numel()} counts, expected one per local expert ({problem.num_local_experts})"
             )
         counts = cpu.to(torch.int64)
         return int(((counts + ALIGN_M - 1) // ALIGN_M * ALIGN_M).sum())
@@ -262,8 +261,14 @@ class DeepGemmExperts(Experts):
             if total > M * topk:  # moekit's check: upstream would size and place rows from them
                 raise StaleMetadataError(stale_counts_message(total, M, topk))
         counts = call.tokens_per_expert()  # the modular kernel counted this chunk (or handed stale counts: bug 2)
-        layout = launch_permute(call.hidden, call.hidden_scale, call.topk_ids, counts,
-                                self._layout(ws2, M_sum, M * topk, E, K), expert_map=call.expert_map)  # fmt: skip
+        layout = launch_permute(
+            call.hidden,
+            call.hidden_scale,
+            call.topk_ids,
+            counts,
+            self._layout(ws2, M_sum, M * topk, E, K),
+            expert_map=call.expert_map,
+        )
         if meta is not None and call.guard and int(layout.flags.item()):  # one sync, outside counts only
             routed = (layout.cursor - layout.expert_start[:-1]).tolist()
             raise StaleMetadataError(
@@ -295,8 +300,9 @@ class DeepGemmExperts(Experts):
         sorted_ids = layout.sorted_token_ids[chunk.start : chunk.end]
         experts = layout.expert_ids[chunk.start // ALIGN_M : chunk.end // ALIGN_M]  # -1: another rank's
         a, a_scale = _fp8_region(raw2, R, K)
-        gather_positions(call.hidden, call.hidden_scale, sorted_ids, numel=layout.numel, topk=p.topk,
-                         out=a, out_scale=a_scale)  # fmt: skip
+        gather_positions(
+            call.hidden, call.hidden_scale, sorted_ids, numel=layout.numel, topk=p.topk, out=a, out_scale=a_scale
+        )
         # deep_gemm never sees -1 (1.0 reads out of bounds on it): such blocks take expert 0 and
         # their rows are dropped by the scatter; the Triton GEMM skips them (block_rows 0).
         idx = raw2[2 * R * max(N // 2, K) :].view(torch.int32)
@@ -347,8 +353,16 @@ class DeepGemmExperts(Experts):
             except BackendUnavailableError:  # deep_gemm could not build this shape: remembered, never retried
                 if self.backend == "deep_gemm":
                     raise
-        contiguous_gemm(a, a_scale, b, b_scale, m_indices, out=out, block_rows=block_rows,
-                        config=self.gemm_config(a.shape[0], b.shape[1], b.shape[2]))  # fmt: skip
+        contiguous_gemm(
+            a,
+            a_scale,
+            b,
+            b_scale,
+            m_indices,
+            out=out,
+            block_rows=block_rows,
+            config=self.gemm_config(a.shape[0], b.shape[1], b.shape[2]),
+        )
 
 
 __all__ = ["DeepGemmExperts"]

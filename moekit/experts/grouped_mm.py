@@ -92,8 +92,14 @@ class GroupedMMExperts(Experts):
         offs = torch.cumsum(self._counts(call), 0, dtype=torch.int32)
         keep = valid[order, None]  # empty and remote pairs sit past offs[-1]: their rows are garbage
         h = torch._grouped_mm(rows, w.w1.transpose(1, 2), offs=offs)  # [R, N]
-        act = launch_silu_and_mul(torch.where(keep, h, 0), carve(call.workspace2, (R, p.N // 2)), R, p.N // 2,
-                                  x_stride=p.N, out_stride=p.N // 2)  # fmt: skip
+        act = launch_silu_and_mul(
+            torch.where(keep, h, 0),
+            carve(call.workspace2, (R, p.N // 2)),
+            R,
+            p.N // 2,
+            x_stride=p.N,
+            out_stride=p.N // 2,
+        )
         y = torch.where(keep, torch._grouped_mm(act, w.w2.transpose(1, 2), offs=offs), 0)
         call.output.view(R, p.K).index_copy_(0, order, y.to(call.output.dtype))
         return "torch_grouped_mm"

@@ -14,7 +14,7 @@ their results back to the pair's own row. A chunk of sorted rows (``chunk_by="ro
 same steps over its rows of the batch's layout (:meth:`TritonExperts.apply_rows`).
 
 On Hopper GPUs ``moekit.fused_moe`` and the integrations use the wing's subclass
-(:class:`moekit.hopper.experts.HopperTritonExperts`): the same steps, faster.
+(``HopperTritonExperts``, the Hopper wing): the same steps, faster.
 """
 
 from __future__ import annotations

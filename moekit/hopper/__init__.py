@@ -6,7 +6,7 @@ the book and never the reverse. It plugs in through one experts class,
 integration and the benchmark harness choose by default on a Hopper GPU (``experts="triton"``).
 
 - ``experts``: ``HopperTritonExperts(TritonExperts)``: the book's steps with the pieces below.
-- ``grouped_gemm`` (+ ``gemm_tile``, ``gemm_args``, ``persistent_gemm``, ``tma``): the grouped GEMM
+- ``grouped_gemm`` (+ ``gemm_args``): the grouped GEMM
   with TMA weight tiles, tail tiles, fused silu_and_mul / fp8 epilogues and a persistent walk.
 - ``configs`` (+ ``fused_moe_tiles.json``): the measured H200 tile table.
 - ``align``: the align's one-launch fast paths; ``pair_blocks``: decode without an align.

@@ -27,7 +27,7 @@ import triton.language as tl
 from moekit.hopper.launch import LeanLauncher, int_spec
 from moekit.hopper.pdl import pdl_begin
 from moekit.kernels.align import (
-    _FILL,
+    FILL_STEP,
     TILE,
     AlignedBlocks,
     AlignShape,
@@ -236,12 +236,16 @@ def launch_align(
     pad_w = max(16, block_m)
     if path.small:
         args = (*ptrs, *dims, sh.max_padded, sh.max_blocks, sh.expert_off, sh.post_off)
-        consts = lambda: dict(BLOCK_M=block_m, TILE=path.tile, PAD_W=pad_w, FILL=_FILL, **flags, num_warps=path.warps)
+        consts = lambda: dict(
+            BLOCK_M=block_m, TILE=path.tile, PAD_W=pad_w, FILL=FILL_STEP, **flags, num_warps=path.warps
+        )
         _SMALL((1,), args, key=key, stream=stream, constexprs=consts)
         return out
     if path.medium:
         args = (*ptrs, *dims, sh.max_padded, sh.max_blocks, sh.expert_off, sh.post_off)
-        consts = lambda: dict(flags, BLOCK_M=block_m, TILE=TILE, CHUNK=_CHUNK, OWNED=sh.owned, PAD_W=pad_w, FILL=_FILL)
+        consts = lambda: dict(
+            flags, BLOCK_M=block_m, TILE=TILE, CHUNK=_CHUNK, OWNED=sh.owned, PAD_W=pad_w, FILL=FILL_STEP
+        )
         _MEDIUM((sh.num_tiles,), args, key=key, stream=stream, constexprs=lambda: dict(consts(), num_warps=path.warps))
         return out
     grid = (sh.num_tiles,)
@@ -251,7 +255,7 @@ def launch_align(
     args = (buf, sh.num_tiles, sh.counts_off, sh.totals_off)
     _SCAN((E + 1,), args, key=key, stream=stream, constexprs=lambda: dict(BLOCK=sh.scan_block, num_warps=4))
     args = (*ptrs, *dims, sh.num_tiles, sh.max_padded, sh.max_blocks, *offsets)
-    consts = lambda: dict(flags, BLOCK_M=block_m, TILE=TILE, OWNED=sh.owned, PAD_W=pad_w, FILL=_FILL)
+    consts = lambda: dict(flags, BLOCK_M=block_m, TILE=TILE, OWNED=sh.owned, PAD_W=pad_w, FILL=FILL_STEP)
     _SCATTER(grid, args, key=key, stream=stream, constexprs=consts)
     return out
 

@@ -35,9 +35,10 @@ class KernelConfig(Tiles):
     gathered activation rows always use per-thread copies. ``TAIL_M`` (0: off): a block with
     at most ``TAIL_M`` real rows (an expert's last block, mostly padding) runs a ``TAIL_M``-row
     tile, so padding costs less of the tensor cores; a power of two >= 16 below ``BLOCK_M``.
-    ``persistent``: one program per SM walks the tiles (:mod:`moekit.hopper.persistent_gemm`);
-    no ``TAIL_M`` then. ``warp_specialize``: ask Triton to split that walk's loop into producer
-    and consumer warps (``tl.range(warp_specialize=True)``; persistent only).
+    ``persistent``: one program per SM walks the tiles (``_persistent_moe_kernel`` in
+    :mod:`moekit.hopper.grouped_gemm`); no ``TAIL_M`` then. ``warp_specialize``: ask Triton to split
+    that walk's loop into producer and consumer warps (``tl.range(warp_specialize=True)``; persistent
+    only).
     """
 
     BLOCK_M: int
@@ -83,8 +84,14 @@ class KernelConfig(Tiles):
     @property
     def launch(self) -> dict:
         """Keyword arguments for a kernel launch (the tile shape, warps and stages); a new dict."""
-        return dict(BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N, BLOCK_K=self.BLOCK_K, GROUP_M=self.GROUP_M,
-                    num_warps=self.num_warps, num_stages=self.num_stages)  # fmt: skip
+        return dict(
+            BLOCK_M=self.BLOCK_M,
+            BLOCK_N=self.BLOCK_N,
+            BLOCK_K=self.BLOCK_K,
+            GROUP_M=self.GROUP_M,
+            num_warps=self.num_warps,
+            num_stages=self.num_stages,
+        )
 
 
 # Few, large programs: the interpreter's cost is per program and per k-step, not per element

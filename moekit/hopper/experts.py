@@ -37,7 +37,7 @@ from moekit.hopper import pair_blocks, pdl
 from moekit.hopper.align import launch_align
 from moekit.hopper.configs import KernelConfig, get_config
 from moekit.hopper.gemm_args import GatedOutput
-from moekit.hopper.grouped_gemm import launch_gemm
+from moekit.hopper.grouped_gemm import fused_moe_gemm
 from moekit.hopper.launch import launch_stream
 from moekit.hopper.pair_blocks import PairBlocks, launch_pair_blocks
 from moekit.kernels.align import AlignedBlocks
@@ -143,11 +143,31 @@ class HopperTritonExperts(TritonExperts):
         if self.fuse_activation:
             self._fused(call, ws13, blocks1, blocks2, cfg1, cfg2, static, stream)
             return "triton"
-        launch_gemm(call.hidden, w.w1, ws13, blocks1, pairs_per_row=topk, config=cfg1, a_scale=call.hidden_scale,
-                    w_scale=w.w1_scale, stream=stream)  # fmt: skip
+        fused_moe_gemm(
+            call.hidden,
+            w.w1,
+            ws13,
+            blocks1,
+            pairs_per_row=topk,
+            config=cfg1,
+            a_scale=call.hidden_scale,
+            w_scale=w.w1_scale,
+            stream=stream,
+            check=False,
+        )
         act, act_scale = self.activation(call, carve(ws13, (M * topk, N)), ws2)  # the book's step
-        launch_gemm(act, w.w2, call.output, blocks2, pairs_per_row=1, config=cfg2, a_scale=act_scale,
-                    w_scale=w.w2_scale, stream=stream)  # fmt: skip
+        fused_moe_gemm(
+            act,
+            w.w2,
+            call.output,
+            blocks2,
+            pairs_per_row=1,
+            config=cfg2,
+            a_scale=act_scale,
+            w_scale=w.w2_scale,
+            stream=stream,
+            check=False,
+        )
         return "triton"
 
     def apply_rows(self, call: ExpertsCall) -> str:
@@ -169,38 +189,79 @@ class HopperTritonExperts(TritonExperts):
         scatter = RowWindow(chunk.start, chunk.end, read="position", write="pair")
         fp8 = self.quant is QuantScheme.FP8_BLOCK
         static = call.a2_scale.reshape(-1).float() if fp8 and call.a2_scale is not None else None  # per tensor
-        scales1 = dict(a_scale=call.hidden_scale, w_scale=w.w1_scale, stream=stream)
+        scales1 = dict(a_scale=call.hidden_scale, w_scale=w.w1_scale, stream=stream, check=False)
         if self.fuse_activation:
             if fp8:
                 q, scale = _fp8_views(ws13, R, H)
                 gated = GatedOutput(out_scale=scale, static_scale=static)
-                launch_gemm(call.hidden, w.w1, carve(q, (R, 1, H)), layout, pairs_per_row=p.topk, config=cfg1,
-                            gated=gated, chunk=gather, **scales1)  # fmt: skip
+                fused_moe_gemm(
+                    call.hidden,
+                    w.w1,
+                    carve(q, (R, 1, H)),
+                    layout,
+                    pairs_per_row=p.topk,
+                    config=cfg1,
+                    gated=gated,
+                    chunk=gather,
+                    **scales1,
+                )
                 act, kw = q, dict(a_scale=scale, w_scale=w.w2_scale)
             else:
                 act, kw = carve(ws13, (R, H)), {}
-                launch_gemm(call.hidden, w.w1, ws13, layout, pairs_per_row=p.topk, config=cfg1, gated=GatedOutput(),
-                            chunk=gather, stream=stream)  # fmt: skip
+                fused_moe_gemm(
+                    call.hidden,
+                    w.w1,
+                    ws13,
+                    layout,
+                    pairs_per_row=p.topk,
+                    config=cfg1,
+                    gated=GatedOutput(),
+                    chunk=gather,
+                    stream=stream,
+                    check=False,
+                )
         else:
-            launch_gemm(call.hidden, w.w1, ws13, layout, pairs_per_row=p.topk, config=cfg1, chunk=gather, **scales1)
+            fused_moe_gemm(call.hidden, w.w1, ws13, layout, pairs_per_row=p.topk, config=cfg1, chunk=gather, **scales1)
             act, act_scale = self.activation(call, carve(ws13, (R, N)), carve(call.workspace2, call.shapes.workspace2))
             kw = {} if act_scale is None else dict(a_scale=act_scale, w_scale=w.w2_scale)
-        launch_gemm(act, w.w2, call.output, layout, pairs_per_row=1, config=cfg2, chunk=scatter, stream=stream, **kw)
+        fused_moe_gemm(
+            act,
+            w.w2,
+            call.output,
+            layout,
+            pairs_per_row=1,
+            config=cfg2,
+            chunk=scatter,
+            stream=stream,
+            check=False,
+            **kw,
+        )
         return "triton"
 
     @staticmethod
     def _pair_blocks(call: ExpertsCall, block_m: int) -> PairBlocks:
         placement = call.placement
-        return launch_pair_blocks(call.topk_ids, block_m, placement.global_num_experts, placement.expert_map,
-                                  num_local_experts=placement.num_local_experts)  # fmt: skip
+        return launch_pair_blocks(
+            call.topk_ids,
+            block_m,
+            placement.global_num_experts,
+            placement.expert_map,
+            num_local_experts=placement.num_local_experts,
+        )
 
     @staticmethod
     def _align(call: ExpertsCall, block_m: int, stream) -> AlignedBlocks:
         # keep_empty: empty slots get zero rows too, so every element of the output is written.
         placement = call.placement
-        return launch_align(call.topk_ids, block_m, placement.global_num_experts, placement.expert_map,
-                            num_local_experts=placement.num_local_experts, keep_empty=True,
-                            stream=stream)  # fmt: skip
+        return launch_align(
+            call.topk_ids,
+            block_m,
+            placement.global_num_experts,
+            placement.expert_map,
+            num_local_experts=placement.num_local_experts,
+            keep_empty=True,
+            stream=stream,
+        )
 
     def _fused(self, call, ws13, blocks1, blocks2, cfg1, cfg2, static, stream) -> None:
         """GEMM1 with silu_and_mul (and fp8 requantization) in its epilogue, then GEMM2."""
@@ -208,20 +269,55 @@ class HopperTritonExperts(TritonExperts):
         M, H = call.problem.M, call.problem.N // 2
         if call.hidden.dtype != FP8:
             act = carve(ws13, (M, topk, H))
-            launch_gemm(call.hidden, w.w1, act, blocks1, pairs_per_row=topk, config=cfg1, gated=GatedOutput(),
-                        stream=stream)  # fmt: skip
-            launch_gemm(carve(ws13, (M * topk, H)), w.w2, call.output, blocks2, pairs_per_row=1, config=cfg2,
-                        stream=stream)  # fmt: skip
+            fused_moe_gemm(
+                call.hidden,
+                w.w1,
+                act,
+                blocks1,
+                pairs_per_row=topk,
+                config=cfg1,
+                gated=GatedOutput(),
+                stream=stream,
+                check=False,
+            )
+            fused_moe_gemm(
+                carve(ws13, (M * topk, H)),
+                w.w2,
+                call.output,
+                blocks2,
+                pairs_per_row=1,
+                config=cfg2,
+                stream=stream,
+                check=False,
+            )
             return
         q, scale = _fp8_views(ws13, M * topk, H)
         div = topk if static is not None and static.numel() > 1 else 1
-        launch_gemm(
-            call.hidden, w.w1, carve(q, (M, topk, H)), blocks1, pairs_per_row=topk, config=cfg1,
-            a_scale=call.hidden_scale, w_scale=w.w1_scale,
-            gated=GatedOutput(out_scale=scale, static_scale=static, static_div=div), stream=stream,
-        )  # fmt: skip
-        launch_gemm(q, w.w2, call.output, blocks2, pairs_per_row=1, config=cfg2, a_scale=scale, w_scale=w.w2_scale,
-                    stream=stream)  # fmt: skip
+        fused_moe_gemm(
+            call.hidden,
+            w.w1,
+            carve(q, (M, topk, H)),
+            blocks1,
+            pairs_per_row=topk,
+            config=cfg1,
+            a_scale=call.hidden_scale,
+            w_scale=w.w1_scale,
+            gated=GatedOutput(out_scale=scale, static_scale=static, static_div=div),
+            stream=stream,
+            check=False,
+        )
+        fused_moe_gemm(
+            q,
+            w.w2,
+            call.output,
+            blocks2,
+            pairs_per_row=1,
+            config=cfg2,
+            a_scale=scale,
+            w_scale=w.w2_scale,
+            stream=stream,
+            check=False,
+        )
 
 
 def _fp8_views(buffer: torch.Tensor, R: int, H: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,11 +15,10 @@ from moekit.errors import InvalidInputError, QuantizationError
 from moekit.hopper.configs import KernelConfig
 from moekit.hopper.pair_blocks import PairBlocks
 from moekit.kernels.align import AlignedBlocks
-from moekit.kernels.fused_moe import RowWindow, check_float_pair
+from moekit.kernels.fused_moe import RowWindow
+from moekit.kernels.fused_moe import check_gemm_args as check_book_args
 from moekit.kernels.host_math import cdiv
 from moekit.quant import FP8, FP8_GROUP
-
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @dataclass
@@ -47,63 +46,21 @@ def check_layout(blocks, config, chunk: RowWindow | None) -> None:
         )
 
 
-def check_rows(a, out, blocks, pairs_per_row, config, chunk: RowWindow | None) -> None:
-    """The rows ``out`` and ``a`` must hold: one per pair, or one per position of a row chunk."""
-    check_layout(blocks, config, chunk)
-    M, topk, _ = out.shape
-    out_rows = chunk.rows if chunk is not None and chunk.write == "position" else blocks.numel
-    if M * topk != out_rows:
-        raise InvalidInputError(f"out must hold {out_rows} rows as [M, topk, N] (M*topk), got {tuple(out.shape)}")
-    if M > 1 and topk > 1 and out.stride(0) != topk * out.stride(1):
-        raise InvalidInputError(
-            f"out's pairs must be evenly strided (stride(0) == topk * stride(1)), got {out.stride()}"
-        )
-    by_position = chunk is not None and chunk.read == "position"
-    need = chunk.rows if by_position else blocks.numel
-    if (
-        not isinstance(pairs_per_row, int)
-        or pairs_per_row <= 0
-        or a.shape[0] * (1 if by_position else pairs_per_row) < need
-    ):
-        what = "positions" if by_position else "pairs"
-        raise InvalidInputError(f"a has {a.shape[0]} rows for {need} {what} at pairs_per_row={pairs_per_row!r}")
-    if (
-        not isinstance(config, KernelConfig)
-        or blocks.block_m % config.BLOCK_M
-        or (chunk is None and config.BLOCK_M != blocks.block_m)
-    ):
-        raise InvalidInputError(
-            f"config must be a KernelConfig with BLOCK_M={blocks.block_m} (the blocks'; a divisor of it for a "
-            f"row chunk), got {config!r}"
-        )
-    if chunk is not None and (chunk.read not in ("pair", "position") or chunk.write not in ("pair", "position")
-                              or chunk.start % blocks.block_m or chunk.rows % config.BLOCK_M or chunk.rows < 0
-                              or chunk.end > blocks.max_padded):  # fmt: skip
-        raise InvalidInputError(
-            f"a row chunk must start on a block of {blocks.block_m} rows and hold whole tiles of {config.BLOCK_M} "
-            f"inside the layout's {blocks.max_padded} rows, got {chunk}"
-        )
-
-
 def check_gemm_args(a, w, out, blocks, pairs_per_row, config, a_scale, w_scale, gated, chunk=None) -> bool:
-    if a.dim() != 2 or w.dim() != 3 or out.dim() != 3:
-        raise InvalidInputError(
-            f"expected a [rows, K], w [E, N, K], out [M, topk, N]; got {tuple(a.shape)}, "
-            f"{tuple(w.shape)}, {tuple(out.shape)}"
-        )
-    E, N, K = w.shape
-    width = N // 2 if gated else N
-    if a.shape[1] != K or out.shape[2] != width:
-        raise InvalidInputError(
-            f"a must be [rows, K={K}] and out [M, topk, {width}], got {tuple(a.shape)} and {tuple(out.shape)}"
-        )
-    check_rows(a, out, blocks, pairs_per_row, config, chunk)
-    fp8 = check_float_pair(a, w)
-    if out.dtype not in _FLOATS and not (gated and out.dtype == FP8):
-        raise InvalidInputError(f"out must be fp32/fp16/bf16 (or fp8 with a GatedOutput), got {out.dtype}")
+    """The book's checks (:func:`moekit.kernels.fused_moe.check_gemm_args`), then the wing's own:
+    PairBlocks, and the fused activation's gate/up rows and fp8 output."""
+    check_layout(blocks, config, chunk)
+    if not isinstance(config, KernelConfig):
+        raise InvalidInputError(f"config must be a KernelConfig, got {config!r}")
+    N = w.shape[1] if w.dim() == 3 else 0
     if gated and N % 2:
         raise InvalidInputError(f"a gated GEMM needs gate and up rows (even N), got N={N}")
+    width = N // 2 if gated else None
+    fp8 = check_book_args(
+        a, w, out, blocks, pairs_per_row, config, a_scale, w_scale, chunk, width=width, fp8_out=gated is not None
+    )
     if gated and out.dtype == FP8:
+        width = N // 2
         if width % FP8_GROUP or config.BLOCK_N != FP8_GROUP:
             raise QuantizationError(
                 f"fp8 output needs N/2 % 128 == 0 and BLOCK_N == 128, got {width}, {config.BLOCK_N}"
@@ -114,16 +71,4 @@ def check_gemm_args(a, w, out, blocks, pairs_per_row, config, a_scale, w_scale, 
         st, per_row = gated.static_scale, cdiv(blocks.numel, gated.static_div)
         if st is not None and (st.dtype != torch.float32 or st.numel() not in (1, per_row)):
             raise QuantizationError(f"static_scale must be float32, 1 or numel/static_div elements, got {st.shape}")
-    if not fp8:
-        return False
-    want_a, want_w = (a.shape[0], cdiv(K, FP8_GROUP)), (E, cdiv(N, FP8_GROUP), cdiv(K, FP8_GROUP))
-    for name, scale, want in (("a_scale", a_scale, want_a), ("w_scale", w_scale, want_w)):
-        if scale is None or tuple(scale.shape) != want or scale.dtype != torch.float32:
-            got = "None" if scale is None else f"{scale.dtype} {tuple(scale.shape)}"
-            raise QuantizationError(f"fp8 needs {name} float32 {want}, got {got}")
-    if FP8_GROUP % config.BLOCK_K or K % FP8_GROUP or (gated and width % FP8_GROUP):
-        raise QuantizationError(
-            f"fp8 block GEMM needs K (and a gated N/2) % 128 == 0 and BLOCK_K dividing 128, got K={K}, N={N}, "
-            f"BLOCK_K={config.BLOCK_K}"
-        )
-    return True
+    return fp8

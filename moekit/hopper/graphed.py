@@ -7,7 +7,7 @@ replays the same launches for a few µs. :class:`GraphedKernel` captures one gra
 signature (shapes, dtypes, strides, device, the weights' addresses and the options) on the first
 call with it, and replays it afterwards::
 
-    kernel = moekit.GraphedKernel(moekit.ModularKernel(NoEPPrepareFinalize(), TritonExperts()))
+    kernel = GraphedKernel(moekit.ModularKernel(NoEPPrepareFinalize(), HopperTritonExperts()))
     out = kernel(hidden, w1, w2, topk_weights, topk_ids)    # first call: warm up, capture, replay
     out = kernel(hidden2, w1, w2, topk_weights2, topk_ids2)  # same signature: copy in, replay
 

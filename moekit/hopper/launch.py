@@ -119,8 +119,9 @@ class LeanLauncher:
     def __repr__(self) -> str:
         return f"LeanLauncher({self.fn.__name__}, variants={len(self._variants)})"
 
-    def __call__(self, grid: tuple, args: tuple, *, key, constexprs: Callable[[], dict],
-                 stream: tuple[int, int] | None = None) -> None:  # fmt: skip
+    def __call__(
+        self, grid: tuple, args: tuple, *, key, constexprs: Callable[[], dict], stream: tuple[int, int] | None = None
+    ) -> None:
         """Launch ``fn[grid](*args, **constexprs())``; ``args`` are the runtime arguments in order, ``grid``
         has one or two dimensions."""
         if self.pdl:
@@ -139,8 +140,19 @@ class LeanLauncher:
         if _VERIFY.get():
             self._verify(variant, args, constexprs())
         c = variant.compiled
-        c.run(grid[0], grid[1] if len(grid) > 1 else 1, 1, raw, c.function, c.packed_metadata, None, None, None,
-              *args, *variant.tail)  # fmt: skip
+        c.run(
+            grid[0],
+            grid[1] if len(grid) > 1 else 1,
+            1,
+            raw,
+            c.function,
+            c.packed_metadata,
+            None,
+            None,
+            None,
+            *args,
+            *variant.tail,
+        )
 
     def _plain(self, grid, args, key, consts: dict) -> None:
         try:

@@ -85,8 +85,10 @@ def _weight_problems(w1, w2) -> list[str]:
     if not isinstance(w1, torch.Tensor) or not isinstance(w2, torch.Tensor):
         return ["it has no gate_up_proj/down_proj tensors"]
     if not all(w.dim() == 3 and w.is_floating_point() and w.element_size() >= 2 for w in (w1, w2)):
-        return [f"its weights are {w1.dtype} {tuple(w1.shape)} / {w2.dtype} {tuple(w2.shape)}, "
-                "expected unquantized 3-D float tensors"]
+        return [
+            f"its weights are {w1.dtype} {tuple(w1.shape)} / {w2.dtype} {tuple(w2.shape)}, "
+            "expected unquantized 3-D float tensors"
+        ]
     E, N, K = w1.shape
     if N % 2 or tuple(w2.shape) != (E, K, N // 2):
         return [f"gate_up_proj {tuple(w1.shape)}, down_proj {tuple(w2.shape)} are not [E, 2I, H], [E, H, I]"]

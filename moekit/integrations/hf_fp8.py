@@ -102,8 +102,9 @@ def to_fp8_experts(model: torch.nn.Module) -> torch.nn.Module:
         raise OptionalDependencyError(f"to_fp8_experts needs transformers>=5 with finegrained_fp8 ({e})") from e
     from moekit.quant import quantize_fp8_block
 
-    fp8_class = use_experts_implementation(experts_class=FP8Experts, experts_interface=ALL_FP8_EXPERTS_FUNCTIONS,
-                                           has_bias=False, has_gate=True)  # fmt: skip
+    fp8_class = use_experts_implementation(
+        experts_class=FP8Experts, experts_interface=ALL_FP8_EXPERTS_FUNCTIONS, has_bias=False, has_gate=True
+    )
     targets = [(n, m) for n, m in model.named_modules() if is_experts(m) and not is_fp8_experts(m)]
     for name, module in targets:
         check_module(module, name=name)

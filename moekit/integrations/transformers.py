@@ -41,13 +41,18 @@ from moekit.integrations.hf_fp8 import check_fp8_module, is_fp8_experts, to_fp8_
 from moekit.workspace import PoolRegistry
 
 __all__ = [
-    "check_fp8_module", "check_model", "check_module", "moekit_routing", "register",
-    "to_fp8_experts", "traces",
-]  # fmt: skip
+    "check_fp8_module",
+    "check_model",
+    "check_module",
+    "moekit_routing",
+    "register",
+    "to_fp8_experts",
+    "traces",
+]
 
 NAME = "moekit"
 INSTALL_HINT = "pip install 'moekit[hf]'"
-# The names of moekit.experts.BY_NAME that each kind of layer may ask for.
+# The names of moekit.api.BY_NAME that each kind of layer may ask for.
 _NAMES = {"experts": ("triton",), "fp8_experts": ("triton", "triton_or_deep_gemm")}
 # What register() passes on to ModularKernel; the chunk size is its own argument, and the workspace
 # pool is the integration's (one per device, shared by every layer).
@@ -136,8 +141,11 @@ def register(
     if unknown:
         raise InvalidInputError(
             f"register() passes {KERNEL_OPTIONS} on to ModularKernel, got {unknown}"
-            + ("; the workspace pool is the integration's (one per device, shared by every layer)"
-               if "pool" in unknown else "")  # fmt: skip
+            + (
+                "; the workspace pool is the integration's (one per device, shared by every layer)"
+                if "pool" in unknown
+                else ""
+            )
         )
     moe = _hf_moe()
     _check_import_order()
@@ -147,8 +155,13 @@ def register(
             f"name must be a new experts implementation name (not one of transformers' "
             f"{['eager', *moe.ALL_EXPERTS_FUNCTIONS]}), got {name!r}"
         )
-    settings = Settings(name, _experts_factory(experts), chunk_size, dict(kernel_options),
-                        make_fp8_experts=_experts_factory(fp8_experts, fp8=True))  # fmt: skip
+    settings = Settings(
+        name,
+        _experts_factory(experts),
+        chunk_size,
+        dict(kernel_options),
+        make_fp8_experts=_experts_factory(fp8_experts, fp8=True),
+    )
     settings.build_kernel(torch.device("cpu"))  # validates experts, chunk size and options now
     settings.build_kernel(torch.device("cpu"), fp8=True)
     settings.pools.clear()
@@ -247,7 +260,7 @@ def moekit_routing(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, E: in
     if top_k_index.device.type == "cpu":
         check_routing_ids(top_k_index, E)
         return torch.where(top_k_index == E, -1, top_k_index).contiguous(), top_k_weights.contiguous()
-    from moekit.kernels.routing import launch_marker_to_moekit
+    from moekit.integrations.hf_routing import launch_marker_to_moekit
 
     return launch_marker_to_moekit(top_k_index, top_k_weights, E)  # one launch, nothing read back
 
@@ -258,12 +271,11 @@ def _check_import_order() -> None:
     device.check_import_order()
 
 
-
 def _experts_factory(experts, *, fp8: bool = False) -> Callable[[], Experts]:
     if isinstance(experts, str):
         import functools
 
-        from moekit.experts import experts_class
+        from moekit.api import experts_class
         from moekit.types import QuantScheme
 
         what = "fp8_experts" if fp8 else "experts"
@@ -273,9 +285,7 @@ def _experts_factory(experts, *, fp8: bool = False) -> Callable[[], Experts]:
         return lambda: experts
     if callable(experts):
         return experts
-    raise InvalidInputError(
-        f"experts must be a name, an Experts instance or a factory, got {type(experts).__name__}"
-    )
+    raise InvalidInputError(f"experts must be a name, an Experts instance or a factory, got {type(experts).__name__}")
 
 
 def _checked_experts(experts) -> Experts:

@@ -29,7 +29,7 @@ deterministic, and equal to a stable sort by bucket.
 
 The file reads in that order: the layout the kernels fill (:class:`AlignedBlocks`, its sizes),
 the per-pair steps the kernels share, the three kernels, then the host side (checks, launches).
-:mod:`moekit.hopper.align` adds the fast paths of small inputs (one program, or one launch) and
+The Hopper wing adds the fast paths of small inputs (one program, or one launch) and
 launches these same kernels without Triton's per-call binding; its layouts equal these.
 """
 
@@ -54,7 +54,7 @@ from moekit.validate import (
 
 TILE = 128  # pairs per program of the count and scatter kernels
 MAX_BLOCK_M = 1024  # a block's padding is written by one tile of block_m lanes
-_FILL = 1024  # entries per store when filling past the last block
+FILL_STEP = 1024  # entries per store when filling past the last block
 # Sizes change with every M: specializing on them (== 1, % 16) would only add compiles.
 _SIZES = ["numel", "num_tiles", "max_padded", "max_blocks"]
 
@@ -161,7 +161,7 @@ def align_shape(numel: int, E: int, num_local: int, block_m: int) -> AlignShape:
     )
 
 
-# The steps every align kernel shares (moekit.hopper.align's kernels too) -----------------------
+# The steps every align kernel shares (the wing's fast paths too) -----------------------
 
 
 @triton.jit
@@ -362,7 +362,7 @@ def align_scatter_kernel(
 
 
 def check_layout_args(topk_ids, block_m, global_num_experts, expert_map, num_local_experts, keep_empty) -> None:
-    """The checks of moe_align_block_size (and of moekit.hopper.pair_blocks.pair_blocks)."""
+    """The checks of moe_align_block_size (and of the wing's pair blocks)."""
     check_ids(topk_ids, rank=None)
     check_positive_int(block_m, "block_m")
     check_positive_int(global_num_experts, "global_num_experts")
@@ -494,7 +494,7 @@ def launch_align(
         BLOCK_M=block_m,
         OWNED=sh.owned,
         PAD_W=max(16, block_m),
-        FILL=_FILL,
+        FILL=FILL_STEP,
         **flags,
     )
     return out

@@ -28,17 +28,38 @@ _FLOAT = (torch.bfloat16, torch.float16, torch.float32)
 @triton.jit
 def _batched_gemm_kernel(
     # Pointers
-    a_ptr, b_ptr, c_ptr, counts_ptr, a_scale_ptr, b_scale_ptr,
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    counts_ptr,
+    a_scale_ptr,
+    b_scale_ptr,
     # Sizes
-    T, N, K,
-    stride_ae, stride_at, stride_ak,
-    stride_be, stride_bn, stride_bk,
-    stride_ce, stride_ct, stride_cn,
-    stride_ase, stride_ast, stride_ask,
-    stride_bse, stride_bsn, stride_bsk,
+    T,
+    N,
+    K,
+    stride_ae,
+    stride_at,
+    stride_ak,
+    stride_be,
+    stride_bn,
+    stride_bk,
+    stride_ce,
+    stride_ct,
+    stride_cn,
+    stride_ase,
+    stride_ast,
+    stride_ask,
+    stride_bse,
+    stride_bsn,
+    stride_bsk,
     # Meta-parameters
-    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    FP8_SCALED: tl.constexpr, UPCAST_BF16: tl.constexpr, ZERO_PADDING: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FP8_SCALED: tl.constexpr,
+    UPCAST_BF16: tl.constexpr,
+    ZERO_PADDING: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     e = tl.program_id(0)
@@ -77,10 +98,10 @@ def _batched_gemm_kernel(
             b = b.to(tl.float32)
         if FP8_SCALED:
             # BLOCK_K == 128, so this K tile is exactly one scale group of a and of b.
-            a_s = tl.load(a_scale_ptr + e * stride_ase + offs_t * stride_ast + kb * stride_ask,
-                          mask=row_ok, other=0.0)
-            b_s = tl.load(b_scale_ptr + e * stride_bse + (offs_n // 128) * stride_bsn + kb * stride_bsk,
-                          mask=col_ok, other=0.0)
+            a_s = tl.load(a_scale_ptr + e * stride_ase + offs_t * stride_ast + kb * stride_ask, mask=row_ok, other=0.0)
+            b_s = tl.load(
+                b_scale_ptr + e * stride_bse + (offs_n // 128) * stride_bsn + kb * stride_bsk, mask=col_ok, other=0.0
+            )
             acc += tl.dot(a, b, input_precision=DOT_PRECISION) * a_s[:, None] * b_s[None, :]
         else:
             acc += tl.dot(a, b, input_precision=DOT_PRECISION)
@@ -158,15 +179,35 @@ def batched_gemm(
     sb = b_scale if fp8 else expert_num_tokens.view(1, 1, -1)
     grid = (E, cdiv(T, BLOCK_T), cdiv(N, BLOCK_N))
     _batched_gemm_kernel[grid](
-        a, b, out, expert_num_tokens, sa, sb,
-        T, N, K,
-        a.stride(0), a.stride(1), a.stride(2),
-        b.stride(0), b.stride(1), b.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        sa.stride(0), sa.stride(1), sa.stride(2),
-        sb.stride(0), sb.stride(1), sb.stride(2),
-        BLOCK_T=BLOCK_T, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        FP8_SCALED=fp8, UPCAST_BF16=interpreting() and a.dtype == torch.bfloat16,
+        a,
+        b,
+        out,
+        expert_num_tokens,
+        sa,
+        sb,
+        T,
+        N,
+        K,
+        a.stride(0),
+        a.stride(1),
+        a.stride(2),
+        b.stride(0),
+        b.stride(1),
+        b.stride(2),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        sa.stride(0),
+        sa.stride(1),
+        sa.stride(2),
+        sb.stride(0),
+        sb.stride(1),
+        sb.stride(2),
+        BLOCK_T=BLOCK_T,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K,
+        FP8_SCALED=fp8,
+        UPCAST_BF16=interpreting() and a.dtype == torch.bfloat16,
         ZERO_PADDING=bool(zero_padding),
         # fp32 stays fp32 on the GPU (its default would round operands to tf32); the
         # precision only matters for fp32 operands, "tf32" is the default for the others.
@@ -190,7 +231,9 @@ def _check(a, b, counts, a_scale, b_scale) -> bool:
         got = f"{counts.dtype} {tuple(counts.shape)}" if isinstance(counts, torch.Tensor) else type(counts).__name__
         raise InvalidInputError(f"expert_num_tokens must be int32 [E={E}], got {got}")
     if len({a.device, b.device, counts.device}) != 1:
-        raise InvalidInputError(f"a, b, expert_num_tokens must share a device, got {a.device}, {b.device}, {counts.device}")
+        raise InvalidInputError(
+            f"a, b, expert_num_tokens must share a device, got {a.device}, {b.device}, {counts.device}"
+        )
     fp8 = a.dtype == FP8
     if not fp8:
         if a_scale is not None or b_scale is not None:

@@ -37,8 +37,8 @@ import triton.language as tl
 
 from moekit.device import has_tma, interpreting
 from moekit.errors import InvalidInputError
-from moekit.hopper.tma import tma_descriptor, weight_descriptor
 from moekit.kernels.host_math import cdiv, next_power_of_2
+from moekit.kernels.tma import tma_descriptor, weight_descriptor
 from moekit.quant import FP8, FP8_GROUP
 from moekit.types import ALIGN_M
 
@@ -78,15 +78,36 @@ def default_config(num_rows: int, N: int, K: int) -> GemmConfig:
 @triton.jit
 def _contiguous_gemm_kernel(
     # Pointers
-    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, m_indices_ptr, block_rows_ptr, a_desc, b_desc,
+    a_ptr,
+    a_scale_ptr,
+    b_ptr,
+    b_scale_ptr,
+    out_ptr,
+    m_indices_ptr,
+    block_rows_ptr,
+    a_desc,
+    b_desc,
     # Sizes
-    num_rows, N, K,
-    stride_am, stride_asm, stride_asg,
-    stride_be, stride_bn, stride_bse, stride_bsn,
+    num_rows,
+    N,
+    K,
+    stride_am,
+    stride_asm,
+    stride_asg,
+    stride_be,
+    stride_bn,
+    stride_bse,
+    stride_bsn,
     stride_om,
     # Meta-parameters
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SKIP_PADDING: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    SKIP_PADDING: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_m = num_rows // BLOCK_M
@@ -206,11 +227,15 @@ def contiguous_gemm(
     if tuple(a_scale.shape) != (M_sum, G_k) or a_scale.dtype != torch.float32:
         problems.append(f"a_scale must be float32 {(M_sum, G_k)}, got {a_scale.dtype} {tuple(a_scale.shape)}")
     if tuple(b_scale.shape) != (E, G_n, G_k) or b_scale.dtype != torch.float32 or b_scale.stride(2) != 1:
-        problems.append(f"b_scale must be float32 {(E, G_n, G_k)} row-major, got {b_scale.dtype} {tuple(b_scale.shape)}")
+        problems.append(
+            f"b_scale must be float32 {(E, G_n, G_k)} row-major, got {b_scale.dtype} {tuple(b_scale.shape)}"
+        )
     if m_indices.dtype != torch.int32 or m_indices.numel() != M_sum:
         problems.append(f"m_indices must be int32 [{M_sum}], got {m_indices.dtype} {tuple(m_indices.shape)}")
     if block_rows is not None and (block_rows.dtype != torch.int32 or block_rows.numel() != M_sum // ALIGN_M):
-        problems.append(f"block_rows must be int32 [{M_sum // ALIGN_M}], got {block_rows.dtype} {tuple(block_rows.shape)}")
+        problems.append(
+            f"block_rows must be int32 [{M_sum // ALIGN_M}], got {block_rows.dtype} {tuple(block_rows.shape)}"
+        )
     if out is None:
         out = torch.empty(M_sum, N, dtype=torch.bfloat16, device=a.device)
     elif tuple(out.shape) != (M_sum, N) or out.stride(1) != 1:
@@ -225,16 +250,37 @@ def contiguous_gemm(
     b_desc = weight_descriptor(b, [cfg.block_n, FP8_GROUP]) if a_desc is not None else None
     tma = a_desc is not None and b_desc is not None
     _contiguous_gemm_kernel[grid](
-        a, a_scale, b, b_scale, out, m_indices, block_rows if block_rows is not None else m_indices,
-        a_desc if tma else a, b_desc if tma else b,
-        M_sum, N, K,
-        a.stride(0), a_scale.stride(0), a_scale.stride(1),
-        b.stride(0), b.stride(1), b_scale.stride(0), b_scale.stride(1),
+        a,
+        a_scale,
+        b,
+        b_scale,
+        out,
+        m_indices,
+        block_rows if block_rows is not None else m_indices,
+        a_desc if tma else a,
+        b_desc if tma else b,
+        M_sum,
+        N,
+        K,
+        a.stride(0),
+        a_scale.stride(0),
+        a_scale.stride(1),
+        b.stride(0),
+        b.stride(1),
+        b_scale.stride(0),
+        b_scale.stride(1),
         out.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=FP8_GROUP, GROUP_M=cfg.group_m,
-        SKIP_PADDING=block_rows is not None, EVEN_K=K % FP8_GROUP == 0, EVEN_N=N % cfg.block_n == 0, TMA=tma,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=FP8_GROUP,
+        GROUP_M=cfg.group_m,
+        SKIP_PADDING=block_rows is not None,
+        EVEN_K=K % FP8_GROUP == 0,
+        EVEN_N=N % cfg.block_n == 0,
+        TMA=tma,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
     return out
 
 

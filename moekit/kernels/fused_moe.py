@@ -29,7 +29,7 @@ the layout (:class:`RowWindow`), reading or writing them by their position in th
 gathers tokens and writes the chunk's workspace row by row, GEMM2 reads that workspace and
 writes each pair's output row.
 
-The Hopper wing (:mod:`moekit.hopper.grouped_gemm`) computes the same tiles with TMA, fused
+The Hopper wing (see the README) computes the same tiles with TMA, fused
 epilogues, a persistent walk and PDL; its tests hold it to this kernel.
 """
 
@@ -93,7 +93,7 @@ INTERPRETER_TILES = Tiles(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_w
 
 def pick_tiles(rows_per_expert: float, dtype: torch.dtype) -> Tiles:
     """The book's tile rule: small blocks when few rows go to each expert, larger ones as they grow.
-    The Hopper wing replaces it with a measured table (:mod:`moekit.hopper.configs`)."""
+    The Hopper wing replaces it with a measured table."""
     if interpreting():
         return INTERPRETER_TILES
     block_k = 128 if dtype == FP8 else 64
@@ -252,8 +252,6 @@ def check_float_pair(a: torch.Tensor, w: torch.Tensor) -> bool:
 def check_rows(a, out, blocks, pairs_per_row, tiles, window: RowWindow | None) -> None:
     """The rows ``out`` and ``a`` must hold (one per pair, or one per position of a row chunk), and
     tiles that fit the blocks."""
-    if not isinstance(blocks, AlignedBlocks):
-        raise InvalidInputError(f"blocks must be AlignedBlocks, got {type(blocks).__name__}")
     M, topk, _ = out.shape
     out_rows = window.rows if window is not None and window.write == "position" else blocks.numel
     if M * topk != out_rows:
@@ -309,9 +307,12 @@ def check_scales(a, w, a_scale, w_scale, tiles, *, width: int) -> None:
         )
 
 
-def check_gemm_args(a, w, out, blocks, pairs_per_row, tiles, a_scale, w_scale, window=None, *, width=None) -> bool:
-    """Everything :func:`fused_moe_gemm` needs of its arguments (``width``: out's columns, N by
-    default); returns whether the GEMM is fp8."""
+def check_gemm_args(
+    a, w, out, blocks, pairs_per_row, tiles, a_scale, w_scale, window=None, *, width=None, fp8_out=False
+) -> bool:
+    """Everything :func:`fused_moe_gemm` needs of its arguments; returns whether the GEMM is fp8.
+    ``width`` (out's columns, N by default) and ``fp8_out`` (an fp8 ``out`` is allowed) are for
+    GEMMs with another epilogue (the Hopper wing's fused activation)."""
     if a.dim() != 2 or w.dim() != 3 or out.dim() != 3:
         raise InvalidInputError(
             f"expected a [rows, K], w [E, N, K], out [M, topk, N]; got {tuple(a.shape)}, "
@@ -325,6 +326,8 @@ def check_gemm_args(a, w, out, blocks, pairs_per_row, tiles, a_scale, w_scale, w
         )
     check_rows(a, out, blocks, pairs_per_row, tiles, window)
     fp8 = check_float_pair(a, w)
+    if out.dtype not in _FLOATS and not (fp8_out and out.dtype == FP8):
+        raise InvalidInputError(f"out must be fp32/fp16/bf16, got {out.dtype}")
     if fp8:
         check_scales(a, w, a_scale, w_scale, tiles, width=width)
     return fp8
@@ -370,6 +373,8 @@ def fused_moe_gemm(
     """
     stride_pair, stride_col = out.stride(1), out.stride(2)  # read first, as upstream's launcher did (bug 1)
     if check:
+        if not isinstance(blocks, AlignedBlocks):
+            raise InvalidInputError(f"blocks must be AlignedBlocks, got {type(blocks).__name__}")
         check_gemm_args(a, w, out, blocks, pairs_per_row, tiles, a_scale, w_scale, window)
     if out.shape[1] == 1:  # topk = 1: a size-1 dim's stride says nothing; pairs step by stride(0)
         stride_pair = out.stride(0)

@@ -96,11 +96,16 @@ def alloc_layout(num_rows: int, K: int, num_pairs: int, num_experts: int, *, dev
 @triton.jit
 def _expert_offsets_kernel(
     # Pointers
-    counts_ptr, expert_start_ptr, cursor_ptr, flags_ptr,
+    counts_ptr,
+    expert_start_ptr,
+    cursor_ptr,
+    flags_ptr,
     # Sizes
-    num_experts, num_rows,
+    num_experts,
+    num_rows,
     # Meta-parameters
-    ALIGN_M: tl.constexpr, BLOCK_E: tl.constexpr,
+    ALIGN_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
 ):
     e = tl.arange(0, BLOCK_E)
     mask = e < num_experts
@@ -118,13 +123,34 @@ def _expert_offsets_kernel(
 @triton.jit
 def _scatter_rows_kernel(
     # Pointers
-    a1q_ptr, a1q_scale_ptr, topk_ids_ptr, expert_map_ptr,
-    a_ptr, a_scale_ptr, inv_perm_ptr, expert_start_ptr, cursor_ptr, flags_ptr,
+    a1q_ptr,
+    a1q_scale_ptr,
+    topk_ids_ptr,
+    expert_map_ptr,
+    a_ptr,
+    a_scale_ptr,
+    inv_perm_ptr,
+    expert_start_ptr,
+    cursor_ptr,
+    flags_ptr,
     # Sizes
-    K, G, topk, num_experts, num_global, num_rows,
-    stride_xm, stride_sm, stride_sg, stride_am, stride_asm, stride_asg,
+    K,
+    G,
+    topk,
+    num_experts,
+    num_global,
+    num_rows,
+    stride_xm,
+    stride_sm,
+    stride_sg,
+    stride_am,
+    stride_asm,
+    stride_asg,
     # Meta-parameters
-    HAS_MAP: tl.constexpr, TOPK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
+    HAS_MAP: tl.constexpr,
+    TOPK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_G: tl.constexpr,
 ):
     m = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, TOPK)
@@ -163,11 +189,18 @@ def _scatter_rows_kernel(
 @triton.jit
 def _block_experts_kernel(
     # Pointers
-    counts_ptr, expert_start_ptr, cursor_ptr, m_indices_ptr, block_rows_ptr, flags_ptr,
+    counts_ptr,
+    expert_start_ptr,
+    cursor_ptr,
+    m_indices_ptr,
+    block_rows_ptr,
+    flags_ptr,
     # Sizes
-    num_experts, num_rows,
+    num_experts,
+    num_rows,
     # Meta-parameters
-    ALIGN_M: tl.constexpr, BLOCK_E: tl.constexpr,
+    ALIGN_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
 ):
     b = tl.program_id(0)
     r0 = b * ALIGN_M
@@ -232,7 +265,9 @@ def permute_to_contiguous(
     topk = topk_ids.shape[1]
     E = counts.numel()
     if a1q.dtype != FP8 or a1q.stride(1) != 1:
-        raise InvalidInputError(f"a1q must be float8_e4m3fn [M, K] with unit column stride, got {a1q.dtype} {a1q.stride()}")
+        raise InvalidInputError(
+            f"a1q must be float8_e4m3fn [M, K] with unit column stride, got {a1q.dtype} {a1q.stride()}"
+        )
     G = math.ceil(K / FP8_GROUP)
     if tuple(a1q_scale.shape) != (M, G) or a1q_scale.dtype != torch.float32:
         raise InvalidInputError(f"a1q_scale must be float32 {(M, G)}, got {a1q_scale.dtype} {tuple(a1q_scale.shape)}")
@@ -264,31 +299,63 @@ def launch_permute(a1q, a1q_scale, topk_ids, counts, layout: ContiguousLayout, *
     if M > 0:
         emap = expert_map if expert_map is not None else topk_ids  # a dummy pointer when unused
         _scatter_rows_kernel[(M,)](
-            a1q, a1q_scale, topk_ids, emap,
-            layout.a, layout.a_scale, layout.inv_perm, layout.expert_start, layout.cursor, layout.flags,
-            K, G, topk, E, emap.numel() if expert_map is not None else E, num_rows,
-            a1q.stride(0), a1q_scale.stride(0), a1q_scale.stride(1),
-            layout.a.stride(0), layout.a_scale.stride(0), layout.a_scale.stride(1),
-            HAS_MAP=expert_map is not None, TOPK=next_power_of_2(topk),
-            BLOCK_K=min(next_power_of_2(K), 1024), BLOCK_G=next_power_of_2(G),
-        )  # fmt: skip
+            a1q,
+            a1q_scale,
+            topk_ids,
+            emap,
+            layout.a,
+            layout.a_scale,
+            layout.inv_perm,
+            layout.expert_start,
+            layout.cursor,
+            layout.flags,
+            K,
+            G,
+            topk,
+            E,
+            emap.numel() if expert_map is not None else E,
+            num_rows,
+            a1q.stride(0),
+            a1q_scale.stride(0),
+            a1q_scale.stride(1),
+            layout.a.stride(0),
+            layout.a_scale.stride(0),
+            layout.a_scale.stride(1),
+            HAS_MAP=expert_map is not None,
+            TOPK=next_power_of_2(topk),
+            BLOCK_K=min(next_power_of_2(K), 1024),
+            BLOCK_G=next_power_of_2(G),
+        )
     if num_rows > 0:
         _block_experts_kernel[(num_rows // ALIGN_M,)](
-            counts, layout.expert_start, layout.cursor, layout.m_indices, layout.block_rows, layout.flags,
-            E, num_rows,
-            ALIGN_M=ALIGN_M, BLOCK_E=BLOCK_E,
-        )  # fmt: skip
+            counts,
+            layout.expert_start,
+            layout.cursor,
+            layout.m_indices,
+            layout.block_rows,
+            layout.flags,
+            E,
+            num_rows,
+            ALIGN_M=ALIGN_M,
+            BLOCK_E=BLOCK_E,
+        )
     return layout
 
 
 @triton.jit
 def _gather_rows_kernel(
     # Pointers
-    rows_ptr, inv_perm_ptr, out_ptr,
+    rows_ptr,
+    inv_perm_ptr,
+    out_ptr,
     # Sizes
-    num_pairs, K, stride_rm, stride_om,
+    num_pairs,
+    K,
+    stride_rm,
+    stride_om,
     # Meta-parameters
-    BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     p = tl.program_id(0).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
     pmask = p < num_pairs
@@ -297,7 +364,9 @@ def _gather_rows_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
         kmask = k0 + offs_k < K
-        x = tl.load(rows_ptr + row[:, None] * stride_rm + k0 + offs_k[None, :], mask=has[:, None] & kmask[None, :], other=0.0)
+        x = tl.load(
+            rows_ptr + row[:, None] * stride_rm + k0 + offs_k[None, :], mask=has[:, None] & kmask[None, :], other=0.0
+        )
         dst = out_ptr + p[:, None] * stride_om + k0 + offs_k[None, :]
         tl.store(dst, x.to(out_ptr.dtype.element_ty), mask=pmask[:, None] & kmask[None, :])
 
@@ -340,7 +409,14 @@ def unpermute_from_contiguous(rows: torch.Tensor, inv_perm: torch.Tensor, *, out
     if pairs > 0:
         BLOCK_P = 8
         _gather_rows_kernel[(cdiv(pairs, BLOCK_P),)](
-            rows, inv_perm, flat, pairs, K, rows.stride(0), flat.stride(0),
-            BLOCK_P=BLOCK_P, BLOCK_K=min(next_power_of_2(K), 1024),
-        )  # fmt: skip
+            rows,
+            inv_perm,
+            flat,
+            pairs,
+            K,
+            rows.stride(0),
+            flat.stride(0),
+            BLOCK_P=BLOCK_P,
+            BLOCK_K=min(next_power_of_2(K), 1024),
+        )
     return out

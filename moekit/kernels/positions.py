@@ -14,11 +14,27 @@ from moekit.kernels.host_math import cdiv, next_power_of_2
 @triton.jit
 def _gather_positions_kernel(
     # Pointers
-    a1q_ptr, a1q_scale_ptr, sorted_ptr, a_ptr, a_scale_ptr,
+    a1q_ptr,
+    a1q_scale_ptr,
+    sorted_ptr,
+    a_ptr,
+    a_scale_ptr,
     # Sizes
-    rows, numel, topk, K, G, stride_xm, stride_sm, stride_sg, stride_am, stride_asm, stride_asg,
+    rows,
+    numel,
+    topk,
+    K,
+    G,
+    stride_xm,
+    stride_sm,
+    stride_sg,
+    stride_am,
+    stride_asm,
+    stride_asg,
     # Meta-parameters
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_G: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = r < rows
@@ -28,18 +44,30 @@ def _gather_positions_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
         kmask = k0 + offs_k < K
-        x = tl.load(a1q_ptr + token[:, None] * stride_xm + k0 + offs_k[None, :], mask=live[:, None] & kmask[None, :],
-                    other=0.0)  # fmt: skip
+        x = tl.load(
+            a1q_ptr + token[:, None] * stride_xm + k0 + offs_k[None, :], mask=live[:, None] & kmask[None, :], other=0.0
+        )
         tl.store(a_ptr + r[:, None] * stride_am + k0 + offs_k[None, :], x, mask=rmask[:, None] & kmask[None, :])
     g = tl.arange(0, BLOCK_G)
     gmask = g < G
-    s = tl.load(a1q_scale_ptr + token[:, None] * stride_sm + g[None, :] * stride_sg, mask=live[:, None] & gmask[None, :],
-                other=0.0)  # fmt: skip
+    s = tl.load(
+        a1q_scale_ptr + token[:, None] * stride_sm + g[None, :] * stride_sg,
+        mask=live[:, None] & gmask[None, :],
+        other=0.0,
+    )
     tl.store(a_scale_ptr + r[:, None] * stride_asm + g[None, :] * stride_asg, s, mask=rmask[:, None] & gmask[None, :])
 
 
-def gather_positions(a1q: torch.Tensor, a1q_scale: torch.Tensor, sorted_ids: torch.Tensor, *, numel: int, topk: int,
-                     out: torch.Tensor, out_scale: torch.Tensor) -> None:  # fmt: skip
+def gather_positions(
+    a1q: torch.Tensor,
+    a1q_scale: torch.Tensor,
+    sorted_ids: torch.Tensor,
+    *,
+    numel: int,
+    topk: int,
+    out: torch.Tensor,
+    out_scale: torch.Tensor,
+) -> None:
     """``out[r] = a1q[sorted_ids[r] // topk]`` (and its scales) for a chunk of sorted rows.
 
     In plain Python::
@@ -59,20 +87,45 @@ def gather_positions(a1q: torch.Tensor, a1q_scale: torch.Tensor, sorted_ids: tor
         return
     BLOCK_R = 8
     _gather_positions_kernel[(cdiv(rows, BLOCK_R),)](
-        a1q, a1q_scale, sorted_ids, out, out_scale, rows, numel, topk, K, G,
-        a1q.stride(0), a1q_scale.stride(0), a1q_scale.stride(1), out.stride(0), out_scale.stride(0), out_scale.stride(1),
-        BLOCK_R=BLOCK_R, BLOCK_K=min(next_power_of_2(K), 1024), BLOCK_G=next_power_of_2(G),
-    )  # fmt: skip
+        a1q,
+        a1q_scale,
+        sorted_ids,
+        out,
+        out_scale,
+        rows,
+        numel,
+        topk,
+        K,
+        G,
+        a1q.stride(0),
+        a1q_scale.stride(0),
+        a1q_scale.stride(1),
+        out.stride(0),
+        out_scale.stride(0),
+        out_scale.stride(1),
+        BLOCK_R=BLOCK_R,
+        BLOCK_K=min(next_power_of_2(K), 1024),
+        BLOCK_G=next_power_of_2(G),
+    )
 
 
 @triton.jit
 def _scatter_positions_kernel(
     # Pointers
-    rows_ptr, sorted_ptr, expert_ids_ptr, out_ptr,
+    rows_ptr,
+    sorted_ptr,
+    expert_ids_ptr,
+    out_ptr,
     # Sizes
-    rows, numel, K, stride_rm, stride_om,
+    rows,
+    numel,
+    K,
+    stride_rm,
+    stride_om,
     # Meta-parameters
-    EXPERT_BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    EXPERT_BLOCK: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = r < rows
@@ -82,14 +135,24 @@ def _scatter_positions_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
         kmask = k0 + offs_k < K
-        x = tl.load(rows_ptr + r[:, None] * stride_rm + k0 + offs_k[None, :],
-                    mask=(live & local)[:, None] & kmask[None, :], other=0.0)  # fmt: skip
+        x = tl.load(
+            rows_ptr + r[:, None] * stride_rm + k0 + offs_k[None, :],
+            mask=(live & local)[:, None] & kmask[None, :],
+            other=0.0,
+        )
         dst = out_ptr + pair.to(tl.int64)[:, None] * stride_om + k0 + offs_k[None, :]
         tl.store(dst, x.to(out_ptr.dtype.element_ty), mask=live[:, None] & kmask[None, :])
 
 
-def scatter_positions(rows: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor, *, numel: int,
-                      expert_block: int, out: torch.Tensor) -> torch.Tensor:  # fmt: skip
+def scatter_positions(
+    rows: torch.Tensor,
+    sorted_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    *,
+    numel: int,
+    expert_block: int,
+    out: torch.Tensor,
+) -> torch.Tensor:
     """``out.view(-1, K)[sorted_ids[r]] = rows[r]`` for a chunk of sorted rows; zeros for rows of a
     block whose expert id is -1 (another rank's expert, or kept empty slots). Padding is skipped.
 
@@ -104,9 +167,19 @@ def scatter_positions(rows: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: 
     if R:
         BLOCK_R = 8
         _scatter_positions_kernel[(cdiv(R, BLOCK_R),)](
-            rows, sorted_ids, expert_ids, flat, R, numel, K, rows.stride(0), flat.stride(0),
-            EXPERT_BLOCK=expert_block, BLOCK_R=BLOCK_R, BLOCK_K=min(next_power_of_2(K), 1024),
-        )  # fmt: skip
+            rows,
+            sorted_ids,
+            expert_ids,
+            flat,
+            R,
+            numel,
+            K,
+            rows.stride(0),
+            flat.stride(0),
+            EXPERT_BLOCK=expert_block,
+            BLOCK_R=BLOCK_R,
+            BLOCK_K=min(next_power_of_2(K), 1024),
+        )
     return out
 
 

@@ -45,9 +45,19 @@ _AGREED = {0: "header version", 2: "hidden dtype", 3: "K", 4: "global_num_expert
 _NAMES = {2: {v: str(k).removeprefix("torch.") for k, v in _DTYPES.items()}, 7: {v: k.value for k, v in _QUANT.items()},
           8: dict(enumerate(_MODES)), 10: dict(enumerate(_CHECKS))}  # fmt: skip
 # A refused rank's error class travels as its index here (+1), so that its peers raise the same class.
-_REFUSALS = (errors.InvalidIdsError, errors.InvalidInputError, errors.QuantizationError, errors.FormatMismatchError,
-             errors.ChunkSizeError, errors.WorkspaceShapeError, errors.CapacityError, errors.StaleMetadataError,
-             errors.BackendUnavailableError, errors.DistributedError, errors.MoekitError)  # fmt: skip
+_REFUSALS = (
+    errors.InvalidIdsError,
+    errors.InvalidInputError,
+    errors.QuantizationError,
+    errors.FormatMismatchError,
+    errors.ChunkSizeError,
+    errors.WorkspaceShapeError,
+    errors.CapacityError,
+    errors.StaleMetadataError,
+    errors.BackendUnavailableError,
+    errors.DistributedError,
+    errors.MoekitError,
+)
 
 
 @dataclass(frozen=True)
@@ -157,8 +167,15 @@ class Agreement:
     def check(self, hidden: torch.Tensor, topk: int, quant: QuantScheme, placement: ExpertPlacement) -> Placement:
         """Exchange headers, raise on any disagreement (or a peer's refusal), return the agreed placement."""
         rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
-        fields = [_DTYPES.get(hidden.dtype, 0), hidden.shape[1], placement.global_num_experts,
-                  placement.num_local_experts, topk, _QUANT[quant], self.local_hash(placement)]  # fmt: skip
+        fields = [
+            _DTYPES.get(hidden.dtype, 0),
+            hidden.shape[1],
+            placement.global_num_experts,
+            placement.num_local_experts,
+            topk,
+            _QUANT[quant],
+            self.local_hash(placement),
+        ]
         rows = self._header(0, fields, hidden.device)
         refused = {r: row[REFUSED] for r, row in enumerate(rows) if row[REFUSED]}
         if refused:

@@ -100,10 +100,18 @@ class All2AllPrepareFinalize(PrepareFinalize):
     collective = True
     dispatches = True
 
-    def __init__(self, *, group=None, timeout_s: float | None = None, mode: str = "exact",
-                 max_tokens_per_rank: int | None = None, check: str = "sync"):  # fmt: skip
-        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float)
-                                      or not timeout_s > 0):  # fmt: skip
+    def __init__(
+        self,
+        *,
+        group=None,
+        timeout_s: float | None = None,
+        mode: str = "exact",
+        max_tokens_per_rank: int | None = None,
+        check: str = "sync",
+    ):
+        if timeout_s is not None and (
+            isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not timeout_s > 0
+        ):
             raise InvalidInputError(f"timeout_s must be a number > 0 (seconds) or None, got {timeout_s!r}")
         if mode not in MODES or check not in CHECKS:
             raise InvalidInputError(f"mode must be one of {MODES} and check one of {CHECKS}, got {mode!r}, {check!r}")
@@ -203,8 +211,9 @@ class All2AllPrepareFinalize(PrepareFinalize):
             start += size
         send = torch.cat(chunks)
         recv = torch.empty((world, E_local + 1), dtype=torch.int64, device=device)
-        self._wait(self._exchange(recv.view(-1), send, [E_local + 1] * world, [s + 1 for s in agreed.sizes],
-                                  "the split sizes"))  # fmt: skip
+        self._wait(
+            self._exchange(recv.view(-1), send, [E_local + 1] * world, [s + 1 for s in agreed.sizes], "the split sizes")
+        )
         sent_cpu, recv_cpu = hist.cpu(), recv.cpu()  # the host sync of the exact-size exchange
         bad = recv_cpu[:, E_local].nonzero().flatten().tolist()
         if bad:
@@ -248,9 +257,17 @@ class All2AllPrepareFinalize(PrepareFinalize):
     def _agree_capacity(self, hidden, topk, quant, placement):
         """The agreement (C and the check mode are in its header), once per layer: later calls
         with the same layer exchange nothing more than the blocks, so they can run inside a CUDA graph."""
-        layer = capacity.Layer(hidden.dtype, hidden.shape[1], placement.global_num_experts, placement.num_local_experts,
-                               topk, quant, self._agreement.local_hash(placement), self.max_tokens_per_rank,
-                               self.check)  # fmt: skip
+        layer = capacity.Layer(
+            hidden.dtype,
+            hidden.shape[1],
+            placement.global_num_experts,
+            placement.num_local_experts,
+            topk,
+            quant,
+            self._agreement.local_hash(placement),
+            self.max_tokens_per_rank,
+            self.check,
+        )
         if self._agreed is not None and self._agreed[0] == layer:
             return self._agreed[1]
         self._agreed = None
@@ -273,13 +290,16 @@ class All2AllPrepareFinalize(PrepareFinalize):
         agreed = self._agree_capacity(hidden, topk, quant, placement)
         a1q, a1q_scale = quantize_activations(hidden, quant)
         wire = a1q.view(torch.uint8) if a1q.dtype == torch.float8_e4m3fn else a1q  # fp8 travels as bytes
-        rows, scales, ids, weights, flags, slot = capacity.pack(wire, a1q_scale, topk_ids, topk_weights, placement,
-                                                                agreed, C, world)  # fmt: skip
+        rows, scales, ids, weights, flags, slot = capacity.pack(
+            wire, a1q_scale, topk_ids, topk_weights, placement, agreed, C, world
+        )
         recv = [torch.empty_like(t) for t in (rows, ids, weights, flags)]
-        pending = [self._exchange(recv[0], rows, None, None, "activation rows"),
-                   self._exchange(recv[1], ids, None, None, "expert ids"),
-                   self._exchange(recv[2], weights, None, None, "router weights"),
-                   self._exchange(recv[3], flags, None, None, "capacity flags")]  # fmt: skip
+        pending = [
+            self._exchange(recv[0], rows, None, None, "activation rows"),
+            self._exchange(recv[1], ids, None, None, "expert ids"),
+            self._exchange(recv[2], weights, None, None, "router weights"),
+            self._exchange(recv[3], flags, None, None, "capacity flags"),
+        ]
         recv_scales = None
         if scales is not None:  # last: refuse sends in this order too
             recv_scales = torch.empty_like(scales)
@@ -292,15 +312,23 @@ class All2AllPrepareFinalize(PrepareFinalize):
         counts = count_expert_num_tokens(recv[1], placement.num_local_experts, placement.expert_map)
         handle = capacity.CapacityHandle(slot.view(world, M), M, C, recv[3], recv[1], recv[2], placement, M > C)
         self.last_handle = handle
-        return Prepared(a1q=recv[0].view(a1q.dtype), a1q_scale=recv_scales, tokens_meta=ExpertTokensMetadata(counts),
-                        topk_ids=recv[1], topk_weights=recv[2], handle=handle)  # fmt: skip
+        return Prepared(
+            a1q=recv[0].view(a1q.dtype),
+            a1q_scale=recv_scales,
+            tokens_meta=ExpertTokensMetadata(counts),
+            topk_ids=recv[1],
+            topk_weights=recv[2],
+            handle=handle,
+        )
 
     def _finalize_capacity(self, fused_out, prepared, output) -> torch.Tensor:
         h: capacity.CapacityHandle = prepared.handle
         R, topk, K = h.recv_ids.shape[0], h.recv_ids.shape[1], output.shape[1]
         if fused_out.numel() != R * topk * K or tuple(output.shape) != (h.M, K):
-            raise InvalidInputError(f"fused_out must be [R={R}, topk={topk}, K] and output [M={h.M}, K={K}], got "
-                                    f"{tuple(fused_out.shape)} and {tuple(output.shape)}")  # fmt: skip
+            raise InvalidInputError(
+                f"fused_out must be [R={R}, topk={topk}, K] and output [M={h.M}, K={K}], got "
+                f"{tuple(fused_out.shape)} and {tuple(output.shape)}"
+            )
         partial = torch.empty((R, K), dtype=torch.float32, device=output.device)  # fp32 on the wire
         weight_and_reduce(fused_out.reshape(R, topk, K), h.recv_weights, partial)
         back = torch.empty_like(partial)
@@ -329,8 +357,11 @@ class All2AllPrepareFinalize(PrepareFinalize):
         if tuple(output.shape) != (h.M, K):
             raise InvalidInputError(f"output must be [M={h.M}, K={K}], got {tuple(output.shape)}")
         back = fused_out.new_empty((h.pairs.numel(), K))
-        self._wait(self._exchange(back, fused_out.reshape(R, K).contiguous(), h.send_splits, h.recv_splits,
-                                  "expert outputs (combine)"))
+        self._wait(
+            self._exchange(
+                back, fused_out.reshape(R, K).contiguous(), h.send_splits, h.recv_splits, "expert outputs (combine)"
+            )
+        )
         if h.M == 0:  # this rank only served others (weight_and_reduce cannot view [0, -1, K])
             return output
         per_slot = torch.zeros((h.M * h.topk, K), dtype=torch.float32, device=output.device)

@@ -95,8 +95,7 @@ class BatchedPrepareFinalize(PrepareFinalize):
         """
         if hidden.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape[0] != hidden.shape[0]:
             raise InvalidInputError(
-                f"expected hidden [M, K] and topk_ids [M, topk], got {tuple(hidden.shape)} "
-                f"and {tuple(topk_ids.shape)}"
+                f"expected hidden [M, K] and topk_ids [M, topk], got {tuple(hidden.shape)} and {tuple(topk_ids.shape)}"
             )
         M, K = hidden.shape
         topk = topk_ids.shape[1]
@@ -156,9 +155,7 @@ class BatchedPrepareFinalize(PrepareFinalize):
             )
         M, K = output.shape
         if fused_out.dim() != 3 or fused_out.shape[2] != K:
-            raise InvalidInputError(
-                f"expected fused_out [E_local, max_tokens, K={K}], got {tuple(fused_out.shape)}"
-            )
+            raise InvalidInputError(f"expected fused_out [E_local, max_tokens, K={K}], got {tuple(fused_out.shape)}")
         rows = fused_out[h.expert, h.rank].float()  # [R, K]
         w = prepared.topk_weights[h.token, h.slot].float()  # [R]
         acc = torch.zeros((M, K), dtype=torch.float32, device=output.device)

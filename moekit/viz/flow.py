@@ -8,8 +8,9 @@ from moekit.viz._figure import axes_or_new, kib
 def _box(ax, x, y, w, h, text, color, *, fontsize=8):
     from matplotlib.patches import FancyBboxPatch
 
-    ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.02,rounding_size=0.06", fc=color, ec="black",
-                                lw=0.8))  # fmt: skip
+    ax.add_patch(
+        FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.02,rounding_size=0.06", fc=color, ec="black", lw=0.8)
+    )
     ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=fontsize)
 
 
@@ -17,8 +18,9 @@ def _arrow(ax, x0, y0, x1, y1):
     ax.annotate("", xy=(x1, y1), xytext=(x0, y0), arrowprops=dict(arrowstyle="->", lw=0.9, color="black"))
 
 
-def plot_data_flow(trace, *, K: int | None = None, topk: int | None = None, max_chunks: int = 8, ax=None,
-                   title: str | None = None):  # fmt: skip
+def plot_data_flow(
+    trace, *, K: int | None = None, topk: int | None = None, max_chunks: int = 8, ax=None, title: str | None = None
+):
     """One forward as boxes and arrows: the router's ``[M, topk]`` ids, prepare, one box per chunk
     (its tokens or sorted rows, backend, workspace and experts touched), finalize's ``[M, K]``.
 
@@ -52,8 +54,10 @@ def plot_data_flow(trace, *, K: int | None = None, topk: int | None = None, max_
     _box(ax, 8.2, mid, 1.5, 0.45, f"finalize\nout {shape(trace.M, K)}", "#f5ecdd")
     ax.set(xlim=(-0.1, 9.8), ylim=(-0.2, (n - 1) * 0.55 + 0.65))
     ax.axis("off")
-    ax.set_title(title or f"one forward: {len(chunks)} chunk(s) of {trace.chunk_size or trace.M} {rows}, "
-                          f"{trace.experts}", fontsize=10)  # fmt: skip
+    ax.set_title(
+        title or f"one forward: {len(chunks)} chunk(s) of {trace.chunk_size or trace.M} {rows}, {trace.experts}",
+        fontsize=10,
+    )
     return fig
 
 

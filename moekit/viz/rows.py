@@ -49,8 +49,9 @@ def chunks_per_expert(counts: torch.Tensor) -> torch.Tensor:
     return (torch.as_tensor(counts) > 0).sum(0)
 
 
-def plot_sorted_rows(counts, rows_per_chunk: int, *, block: int = BLOCK, ax=None,
-                     title: str = "sorted rows, cut into chunks"):  # fmt: skip
+def plot_sorted_rows(
+    counts, rows_per_chunk: int, *, block: int = BLOCK, ax=None, title: str = "sorted rows, cut into chunks"
+):
     """The layout as a strip: each expert's real rows in its colour, its padding pale, and the
     chunk boundaries every ``rows_per_chunk`` rows."""
     fig, ax = axes_or_new(ax, width=9.0, height=2.4)
@@ -69,8 +70,13 @@ def plot_sorted_rows(counts, rows_per_chunk: int, *, block: int = BLOCK, ax=None
         ax.axvline(b, color="black", lw=1.2, ls="--")
         if b < total:
             ax.text((b + min(b + rows_per_chunk, total)) / 2, 0.45, f"chunk {i}", ha="center", fontsize=8)
-    ax.set(xlim=(0, max(total, 1)), ylim=(-0.5, 0.7), yticks=[], xlabel="sorted row (experts' rows, padded to 128)",
-           title=title)  # fmt: skip
+    ax.set(
+        xlim=(0, max(total, 1)),
+        ylim=(-0.5, 0.7),
+        yticks=[],
+        xlabel="sorted row (experts' rows, padded to 128)",
+        title=title,
+    )
     return fig
 
 
@@ -88,8 +94,9 @@ def plot_chunks_per_expert(series: dict, *, ax=None, title: str = "chunks that r
     return fig
 
 
-def plot_weight_bytes_per_chunk(series: dict, bytes_per_expert: int, *, ax=None,
-                                title: str = "weight bytes read per chunk"):  # fmt: skip
+def plot_weight_bytes_per_chunk(
+    series: dict, bytes_per_expert: int, *, ax=None, title: str = "weight bytes read per chunk"
+):
     """One line of steps per plan in ``series`` (``name -> counts [num_chunks, E]``): the weight
     bytes each chunk reads (experts it touches x ``bytes_per_expert``); the legend gives the total."""
     fig, ax = axes_or_new(ax, width=7.0)

@@ -79,7 +79,7 @@ EXERCISES = {
             "checks:check_row_plan",
             "row_plan",
         ),
-    )  # fmt: skip
+    )
 }
 
 

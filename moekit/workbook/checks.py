@@ -52,25 +52,37 @@ def check_chunk_plan(chunk_plan, chunk_inputs) -> int:
     hidden = torch.randn(M, K, generator=g).to(torch.bfloat16)
     for dtype in (torch.int32, torch.int64):
         ids = random_ids(M, 2, 8, seed=2, dtype=dtype)
-        for kind, scale in (("per-token", torch.rand(M, 1, generator=g)), ("per-tensor", torch.rand(1, generator=g)),
-                            ("no", None)):  # fmt: skip
+        for kind, scale in (
+            ("per-token", torch.rand(M, 1, generator=g)),
+            ("per-tensor", torch.rand(1, generator=g)),
+            ("no", None),
+        ):
             for s, e in ((0, 128), (128, 130), (0, 130)):
                 h, i, sc = chunk_inputs(hidden, ids, scale, s, e)
                 if h.dtype != hidden.dtype or i.dtype != ids.dtype:
-                    fail(f"chunk_inputs(..., {s}, {e}) returned {h.dtype} activations and {i.dtype} ids for "
-                         f"{hidden.dtype} and {ids.dtype}: a cast copied the rows; a chunk must be a view of the batch")
+                    fail(
+                        f"chunk_inputs(..., {s}, {e}) returned {h.dtype} activations and {i.dtype} ids for "
+                        f"{hidden.dtype} and {ids.dtype}: a cast copied the rows; a chunk must be a view of the batch"
+                    )
                 if not (torch.equal(h, hidden[s:e]) and torch.equal(i, ids[s:e])):
                     fail(f"chunk_inputs(..., {s}, {e}) did not return rows [{s}, {e}) of hidden and topk_ids")
                 if not (is_view_of(h, hidden, s, e) and is_view_of(i, ids, s, e)):
-                    fail(f"chunk_inputs(..., {s}, {e}) copied the rows: a chunk must be a view of the batch "
-                         "(slicing allocates nothing)")  # fmt: skip
+                    fail(
+                        f"chunk_inputs(..., {s}, {e}) copied the rows: a chunk must be a view of the batch "
+                        "(slicing allocates nothing)"
+                    )
                 want_scale = None if scale is None else scale if scale.numel() == 1 else scale[s:e]
                 if (sc is None) != (want_scale is None) or (sc is not None and not torch.equal(sc, want_scale)):
-                    fail(f"chunk_inputs with a {kind} scale, chunk [{s}, {e}): got scale "
-                         f"{None if sc is None else tuple(sc.shape)}, expected "
-                         f"{None if want_scale is None else tuple(want_scale.shape)}"
-                         + (" (a per-tensor scale is shared by every chunk; #28728 sliced it empty)"
-                            if kind == "per-tensor" else ""))  # fmt: skip
+                    fail(
+                        f"chunk_inputs with a {kind} scale, chunk [{s}, {e}): got scale "
+                        f"{None if sc is None else tuple(sc.shape)}, expected "
+                        f"{None if want_scale is None else tuple(want_scale.shape)}"
+                        + (
+                            " (a per-tensor scale is shared by every chunk; #28728 sliced it empty)"
+                            if kind == "per-tensor"
+                            else ""
+                        )
+                    )
                 cases += 1
     return cases
 
@@ -97,8 +109,10 @@ def check_workspace_shapes(experts_class) -> int:
         try:
             out = kernel(*p.inputs())
         except Exception as e:  # the learner meets the failure where the real code meets it
-            fail(f"M={M}, C={C}: chunk {len(kernel.last_trace.chunks) - 1 if kernel.last_trace else 0} failed with "
-                 f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")  # fmt: skip
+            fail(
+                f"M={M}, C={C}: chunk {len(kernel.last_trace.chunks) - 1 if kernel.last_trace else 0} failed with "
+                f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            )
         ref = p.reference()
         if not torch.allclose(out, ref, rtol=1e-4, atol=1e-4):
             fail(f"M={M}, C={C}: the output differs from the reference by {(out - ref).abs().max().item():.3g}")
@@ -109,8 +123,10 @@ def check_workspace_shapes(experts_class) -> int:
                 shape = getattr(c.shapes, name)
                 got = int(torch.Size(shape).numel())
                 if got > 2 * numel:
-                    fail(f"M={M}, C={C}, chunk {c.index} ({c.M} tokens): {name} declared {shape}, {got} elements "
-                         f"for {numel} needed: declare what this chunk needs (its own M), not the batch")  # fmt: skip
+                    fail(
+                        f"M={M}, C={C}, chunk {c.index} ({c.M} tokens): {name} declared {shape}, {got} elements "
+                        f"for {numel} needed: declare what this chunk needs (its own M), not the batch"
+                    )
             cases += 1
     return cases
 
@@ -139,15 +155,19 @@ def check_recount(chunk_counts) -> int:
                     want = count_reference(ids[s:e], E_local, emap).long().tolist()
                     got = torch.as_tensor(chunk_counts(ids, s, e, E_local, emap)).long().tolist()
                     if got != want:
-                        fail(f"chunk_counts(rows [{s}, {e}) of {M}x{topk} ids, E_local={E_local}, "
-                             f"{'a map' if emap is not None else 'no map'}) gave {got}; expected {want}")  # fmt: skip
+                        fail(
+                            f"chunk_counts(rows [{s}, {e}) of {M}x{topk} ids, E_local={E_local}, "
+                            f"{'a map' if emap is not None else 'no map'}) gave {got}; expected {want}"
+                        )
                     other = ids.clone()
                     other[:s] = random_ids(s, topk, E, seed=99, dtype=dtype)
                     other[e:] = random_ids(M - e, topk, E, seed=98, dtype=dtype)
                     again = torch.as_tensor(chunk_counts(other, s, e, E_local, emap)).long().tolist()
                     if again != got:
-                        fail(f"chunk_counts(..., {s}, {e}) changed when rows outside [{s}, {e}) changed: count "
-                             "the chunk's own rows (bug 2: whole-batch counts handed to a chunk)")  # fmt: skip
+                        fail(
+                            f"chunk_counts(..., {s}, {e}) changed when rows outside [{s}, {e}) changed: count "
+                            "the chunk's own rows (bug 2: whole-batch counts handed to a chunk)"
+                        )
                     cases += 1
     return cases
 
@@ -178,17 +198,21 @@ def check_row_plan(row_chunk_plan) -> int:
             if plan and (plan[0][0] != 0 or plan[-1][1] != total or gaps):
                 fail(f"row_chunk_plan({counts.tolist()}, R={R}) gave {_short(plan)}: the chunks must tile [0, {total})")
             if any(e - s > R or e <= s for s, e in plan) or any(s % ALIGN_M for s, _ in plan):
-                fail(f"row_chunk_plan(..., R={R}) gave {_short(plan)}: every chunk must hold 1..R rows and start on "
-                     "a 128-row block")  # fmt: skip
+                fail(
+                    f"row_chunk_plan(..., R={R}) gave {_short(plan)}: every chunk must hold 1..R rows and start on "
+                    "a 128-row block"
+                )
             if len(plan) != -(-total // R) or (not plan and total):
                 fail(f"row_chunk_plan(..., R={R}) used {len(plan)} chunks for {total} rows; {-(-total // R)} suffice")
             start, end = bounds[:-1], bounds[:-1] + counts
             reads = sum(int(((start < e) & (end > s) & (counts > 0)).sum()) for s, e in plan)
             touched = int((counts > 0).sum())
             if reads > touched + max(len(plan) - 1, 0):
-                fail(f"row_chunk_plan({_short(counts.tolist())}, R={R}) gave {_short(plan)}: {reads} expert reads for "
-                     f"{touched} experts in {len(plan)} chunks; each expert is read once, plus once more for each "
-                     "chunk boundary that cuts it")  # fmt: skip
+                fail(
+                    f"row_chunk_plan({_short(counts.tolist())}, R={R}) gave {_short(plan)}: {reads} expert reads for "
+                    f"{touched} experts in {len(plan)} chunks; each expert is read once, plus once more for each "
+                    "chunk boundary that cuts it"
+                )
             cases += 1
     return cases
 

@@ -61,8 +61,15 @@ def _count_cases():
     from moekit.routing import contiguous_expert_map
 
     i32, i64 = torch.int32, torch.int64
-    for M, topk, E, ep, dtype in ((50, 2, 8, 1, i32), (33, 4, 16, 2, i64), (9, 1, 1, 1, i32), (40, 3, 3, 1, i64),
-                                  (0, 2, 4, 1, i32), (70, 2, 8, 4, i32), (64, 2, 6, 1, i64)):  # fmt: skip
+    for M, topk, E, ep, dtype in (
+        (50, 2, 8, 1, i32),
+        (33, 4, 16, 2, i64),
+        (9, 1, 1, 1, i32),
+        (40, 3, 3, 1, i64),
+        (0, 2, 4, 1, i32),
+        (70, 2, 8, 4, i32),
+        (64, 2, 6, 1, i64),
+    ):
         ids = random_ids(M, topk, E, seed=M * 7 + E, dtype=dtype, empty_every=4)
         if M not in (9, 64):  # (9: in range only; 64: exactly two tiles of in-range ids)
             ids = beyond(ids, E)  # past the map with one, >= E_local without
@@ -77,12 +84,22 @@ def _count_cases():
 def _launch_count(kernel, ids, mp, out, E_local, limit, *, scan: bool):
     numel = ids.numel()
     if scan:
-        kernel[(E_local,)](ids, mp if mp is not None else ids, out, numel, limit, E_local,
-                           HAS_MAP=mp is not None, BLOCK=BLOCK)  # fmt: skip
+        kernel[(E_local,)](
+            ids, mp if mp is not None else ids, out, numel, limit, E_local, HAS_MAP=mp is not None, BLOCK=BLOCK
+        )
     elif numel:
         grid = (triton.cdiv(numel, BLOCK),)
-        kernel[grid](ids, mp if mp is not None else ids, out, numel, limit, E_local,
-                     HAS_MAP=mp is not None, BLOCK=BLOCK, NUM_BINS=num_bins(E_local))  # fmt: skip
+        kernel[grid](
+            ids,
+            mp if mp is not None else ids,
+            out,
+            numel,
+            limit,
+            E_local,
+            HAS_MAP=mp is not None,
+            BLOCK=BLOCK,
+            NUM_BINS=num_bins(E_local),
+        )
 
 
 def _run_count(kernel, ids, E_local, emap, *, scan: bool):
@@ -105,21 +122,27 @@ def _check_memory(what: str, name: str, ops, *, inputs=("ids", "map"), shared=("
     stray = {k: v for k, v in ops.outside.items() if v}
     if stray:
         lanes = ", ".join(f"{v} {k} lanes" for k, v in stray.items())
-        fail(f"{what} on {name} touched memory outside its tensors ({lanes}): mask every lane that is past the ids, "
-             "or an id that is negative, past the map or >= E")  # fmt: skip
+        fail(
+            f"{what} on {name} touched memory outside its tensors ({lanes}): mask every lane that is past the ids, "
+            "or an id that is negative, past the map or >= E"
+        )
     for t in inputs:
         if ops.writes(t):
             fail(f"{what} on {name} wrote {ops.writes(t)} elements of '{t}', an input (an atomic on it writes too)")
     for t in shared:
         races = ops.races(t)
         if races:
-            fail(f"{what} on {name}: programs wrote {t} without an atomic where another program also touched it "
-                 f"({races[0]}{' and more' if len(races) > 1 else ''}): on a GPU they run at once and updates are "
-                 "lost; the interpreter runs them one by one and cannot show it")  # fmt: skip
+            fail(
+                f"{what} on {name}: programs wrote {t} without an atomic where another program also touched it "
+                f"({races[0]}{' and more' if len(races) > 1 else ''}): on a GPU they run at once and updates are "
+                "lost; the interpreter runs them one by one and cannot show it"
+            )
     if ops.histogram_misses:
         p, v, bins = ops.histogram_misses[0]
-        fail(f"{what} on {name}: program {p} gave tl.histogram the value {v} with {bins} bins; a GPU keeps only the "
-             "low bits (it lands in another bin): send ids that must not count to the spare bin")  # fmt: skip
+        fail(
+            f"{what} on {name}: program {p} gave tl.histogram the value {v} with {bins} bins; a GPU keeps only the "
+            "low bits (it lands in another bin): send ids that must not count to the spare bin"
+        )
 
 
 def _check_programs(what: str, name: str, ops, numel: int, E_local: int, *, scan: bool) -> None:
@@ -129,24 +152,32 @@ def _check_programs(what: str, name: str, ops, numel: int, E_local: int, *, scan
         for p in range(E_local):
             seen = ops.read_set("ids", p)
             if len(seen) < numel:
-                fail(f"{what} on {name}: program {p} read {len(seen)} of the {numel} ids; in the seed's scan every "
-                     "program walks every id (its expert's count)")  # fmt: skip
+                fail(
+                    f"{what} on {name}: program {p} read {len(seen)} of the {numel} ids; in the seed's scan every "
+                    "program walks every id (its expert's count)"
+                )
         for p in range(E_local):
             others = [int(i) for i in ops.written("out", p) if i != p]
             if others:
-                fail(f"{what} on {name}: program {p} wrote out[{others[0]}]; each program stores its own expert's "
-                     "count, at out_ptr + program_id")  # fmt: skip
+                fail(
+                    f"{what} on {name}: program {p} wrote out[{others[0]}]; each program stores its own expert's "
+                    "count, at out_ptr + program_id"
+                )
         return
     if ops.reads("ids") > numel:
-        fail(f"{what} on {name} read ids {ops.reads('ids')} times for {numel} "
-             f"({ops.reads('ids') / numel:.1f} per id, loads and atomics alike): a one-pass count reads each id once")
+        fail(
+            f"{what} on {name} read ids {ops.reads('ids')} times for {numel} "
+            f"({ops.reads('ids') / numel:.1f} per id, loads and atomics alike): a one-pass count reads each id once"
+        )
     if ops.reads("map") > numel:
         fail(f"{what} on {name} read the map {ops.reads('map')} times for {numel} ids: gather it at most once per id")
     for p in sorted(ops.programs):
         if ops.reads("ids", p) > BLOCK:
-            fail(f"{what} on {name}: program {p} read {ops.reads('ids', p)} ids, more than its tile of BLOCK={BLOCK}"
-                 f"{' (all the work in one program)' if ops.reads('ids', p) >= numel else ''}: the grid has one "
-                 "program per tile, and each counts its own tile")  # fmt: skip
+            fail(
+                f"{what} on {name}: program {p} read {ops.reads('ids', p)} ids, more than its tile of BLOCK={BLOCK}"
+                f"{' (all the work in one program)' if ops.reads('ids', p) >= numel else ''}: the grid has one "
+                "program per tile, and each counts its own tile"
+            )
 
 
 def _check_work(kernel) -> int:
@@ -162,9 +193,11 @@ def _check_work(kernel) -> int:
     programs, extra_bins = 4, num_bins(120) - num_bins(4)
     grown = work[120] - work[4]
     if grown > WORK_SLACK * extra_bins * programs:
-        fail(f"histogram_kernel: its work grew from {work[4]} to {work[120]} element operations when E_local went "
-             f"from 4 to 120 ({grown / ids.numel():.0f} more per id): a one-pass count does a fixed amount of work "
-             "per id, whatever the number of experts (a loop over experts in registers is a scan)")  # fmt: skip
+        fail(
+            f"histogram_kernel: its work grew from {work[4]} to {work[120]} element operations when E_local went "
+            f"from 4 to 120 ({grown / ids.numel():.0f} more per id): a one-pass count does a fixed amount of work "
+            "per id, whatever the number of experts (a loop over experts in registers is a scan)"
+        )
     return 1
 
 
@@ -233,11 +266,15 @@ def check_align_kernel(kernel) -> int:
         post = _padded(torch.zeros(1, dtype=torch.int32, device=device))
         cursor = _padded(torch.zeros(bins, dtype=torch.int32, device=device))
         flat_ids = _padded(ids.reshape(-1))
-        probe = (watch_memory(ids=flat_ids, sorted=sorted_ids, expert_ids=expert_ids, post=post, cursor=cursor)
-                 if interpreting() else contextlib.nullcontext(None))  # fmt: skip
+        probe = (
+            watch_memory(ids=flat_ids, sorted=sorted_ids, expert_ids=expert_ids, post=post, cursor=cursor)
+            if interpreting()
+            else contextlib.nullcontext(None)
+        )
         with probe as ops:
-            kernel[(1,)](flat_ids, sorted_ids, expert_ids, post, cursor, numel, E,
-                         BLOCK_M=block_m, BLOCK=BLOCK, NUM_BINS=bins)  # fmt: skip
+            kernel[(1,)](
+                flat_ids, sorted_ids, expert_ids, post, cursor, numel, E, BLOCK_M=block_m, BLOCK=BLOCK, NUM_BINS=bins
+            )
         counts = count_reference(ids, E).long().cpu()
         padded = (counts + block_m - 1) // block_m * block_m
         total, name = int(padded.sum()), f"{ids.shape[0]}x{ids.shape[1]} ids ({kind}), E={E}, BLOCK_M={block_m}"
@@ -251,16 +288,22 @@ def check_align_kernel(kernel) -> int:
             pairs = sorted(p for p in run.tolist() if p != numel)
             want = (flat == e).nonzero().flatten().tolist()
             if pairs != want:
-                fail(f"align_kernel on {name}: rows [{start}, {start + int(padded[e])}) of expert {e} hold pairs "
-                     f"{pairs[:8]}..., expected {want[:8]}...")  # fmt: skip
+                fail(
+                    f"align_kernel on {name}: rows [{start}, {start + int(padded[e])}) of expert {e} hold pairs "
+                    f"{pairs[:8]}..., expected {want[:8]}..."
+                )
             start += int(padded[e])
         want_blocks = torch.repeat_interleave(torch.arange(E), padded // block_m).tolist()
         if eid[: total // block_m].tolist() != want_blocks:
-            fail(f"align_kernel on {name}: expert_ids of the {total // block_m} blocks are "
-                 f"{eid[: total // block_m].tolist()[:12]}, expected {want_blocks[:12]}")  # fmt: skip
+            fail(
+                f"align_kernel on {name}: expert_ids of the {total // block_m} blocks are "
+                f"{eid[: total // block_m].tolist()[:12]}, expected {want_blocks[:12]}"
+            )
         if (srt[total:] != numel).any() or (eid[total // block_m :] != -1).any():
-            fail(f"align_kernel on {name}: wrote past num_tokens_post_padded={total} (sorted rows or expert_ids "
-                 "after the last block): those rows belong to no expert")  # fmt: skip
+            fail(
+                f"align_kernel on {name}: wrote past num_tokens_post_padded={total} (sorted rows or expert_ids "
+                "after the last block): those rows belong to no expert"
+            )
         cases += 1
     return cases
 

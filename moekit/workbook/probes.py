@@ -56,8 +56,9 @@ class MemoryOps:
     histogram_misses: list = field(default_factory=list)
 
     def _indices(self, name: str, kinds, program=None) -> np.ndarray:
-        parts = [a for k in kinds for p, arrays in self.lanes[(name, k)].items()
-                 if program in (None, p) for a in arrays]  # fmt: skip
+        parts = [
+            a for k in kinds for p, arrays in self.lanes[(name, k)].items() if program in (None, p) for a in arrays
+        ]
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
     def reads(self, name: str, program=None) -> int:
@@ -112,8 +113,11 @@ def watch_memory(**tensors: torch.Tensor | None):
         raise RuntimeError("watch_memory needs Triton's interpreter (a CPU run of moekit)")
     from triton.runtime import interpreter
 
-    watched = {n: (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), t.element_size())
-               for n, t in tensors.items() if t is not None and t.numel()}  # fmt: skip
+    watched = {
+        n: (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), t.element_size())
+        for n, t in tensors.items()
+        if t is not None and t.numel()
+    }
     ops = MemoryOps(tuple(tensors))
     builder = interpreter.InterpreterBuilder
     state = threading.local()
@@ -218,9 +222,24 @@ def is_view_of(view: torch.Tensor, base: torch.Tensor, start: int, end: int) -> 
     want = base[start:end]
     if view.numel() == 0:
         return view.dtype == base.dtype and tuple(view.shape) == tuple(want.shape)
-    return (shares_memory(view, base) and view.dtype == base.dtype and view.data_ptr() == want.data_ptr()
-            and view.stride() == want.stride() and tuple(view.shape) == tuple(want.shape))  # fmt: skip
+    return (
+        shares_memory(view, base)
+        and view.dtype == base.dtype
+        and view.data_ptr() == want.data_ptr()
+        and view.stride() == want.stride()
+        and tuple(view.shape) == tuple(want.shape)
+    )
 
 
-__all__ = ["ATOMIC", "READ", "WRITE", "LoadCount", "MemoryOps", "Race", "count_loads", "is_view_of",
-           "shares_memory", "watch_memory"]  # fmt: skip
+__all__ = [
+    "ATOMIC",
+    "READ",
+    "WRITE",
+    "LoadCount",
+    "MemoryOps",
+    "Race",
+    "count_loads",
+    "is_view_of",
+    "shares_memory",
+    "watch_memory",
+]

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import moekit
-from moekit.experts import TritonExperts, experts_class
+from moekit.api import experts_class
+from moekit.experts import TritonExperts
 from moekit.hopper.experts import HopperTritonExperts
 from moekit.prepare_finalize import NoEPPrepareFinalize
 from moekit.quant import quantize_fp8_block

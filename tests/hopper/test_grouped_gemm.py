@@ -1,4 +1,4 @@
-"""The grouped GEMM over aligned blocks (and its config table) against a per-pair torch loop."""
+"""The wing's grouped GEMM over aligned blocks (and its config table) against the book's per-pair torch loop."""
 
 from __future__ import annotations
 
@@ -19,19 +19,9 @@ from moekit.quant import (
 )
 from moekit.reference import silu_and_mul
 from moekit.testing import assert_close, expect_raises
+from tests.kernels.test_fused_moe import gemm_spec  # the book's per-pair spec
 
 CFG = KernelConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=2, num_warps=4, num_stages=2)
-
-
-def gemm_spec(a, w, ids, pairs_per_row, expert_map=None):
-    """out[i] = a[i // pairs_per_row] @ w[local(i)].T in fp32; zero for remote or empty pairs."""
-    flat = ids.reshape(-1).tolist()
-    out = torch.zeros(len(flat), w.shape[1], device=a.device)
-    for i, g in enumerate(flat):
-        e = g if expert_map is None or g < 0 else int(expert_map[g])
-        if 0 <= e < w.shape[0]:
-            out[i] = a[i // pairs_per_row].float() @ w[e].float().t()
-    return out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -12,8 +12,7 @@ import torch
 from moekit.device import interpreting
 from moekit.errors import InvalidInputError
 from moekit.hopper.configs import KernelConfig
-from moekit.hopper.grouped_gemm import GatedOutput, fused_moe_gemm
-from moekit.hopper.persistent_gemm import INTERPRETER_SMS
+from moekit.hopper.grouped_gemm import INTERPRETER_SMS, GatedOutput, fused_moe_gemm
 from moekit.kernels.align import moe_align_block_size
 from moekit.quant import FP8, FP8_GROUP, quantize_fp8_block, quantize_fp8_per_token_group
 from moekit.testing import assert_close, expect_raises

@@ -7,8 +7,18 @@ import triton.language as tl
 
 
 @triton.jit
-def align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, post_ptr, cursor_ptr, numel, num_experts,
-                 BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, NUM_BINS: tl.constexpr):  # fmt: skip
+def align_kernel(
+    ids_ptr,
+    sorted_ptr,
+    expert_ids_ptr,
+    post_ptr,
+    cursor_ptr,
+    numel,
+    num_experts,
+    BLOCK_M: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NUM_BINS: tl.constexpr,
+):
     # One program. Pass 1: pairs per expert (ids outside [0, num_experts) are skipped).
     offs = tl.arange(0, BLOCK)
     counts = tl.zeros([NUM_BINS], dtype=tl.int32)

@@ -7,8 +7,7 @@ import triton.language as tl
 
 
 @triton.jit
-def scan_kernel(ids_ptr, map_ptr, out_ptr, numel, id_limit, num_local,
-                HAS_MAP: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def scan_kernel(ids_ptr, map_ptr, out_ptr, numel, id_limit, num_local, HAS_MAP: tl.constexpr, BLOCK: tl.constexpr):
     expert = tl.program_id(0)  # one program per local expert
     offs = tl.arange(0, BLOCK)
     total = tl.zeros([BLOCK], dtype=tl.int32)
@@ -23,8 +22,17 @@ def scan_kernel(ids_ptr, map_ptr, out_ptr, numel, id_limit, num_local,
 
 
 @triton.jit
-def histogram_kernel(ids_ptr, map_ptr, out_ptr, numel, id_limit, num_local,
-                     HAS_MAP: tl.constexpr, BLOCK: tl.constexpr, NUM_BINS: tl.constexpr):  # fmt: skip
+def histogram_kernel(
+    ids_ptr,
+    map_ptr,
+    out_ptr,
+    numel,
+    id_limit,
+    num_local,
+    HAS_MAP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NUM_BINS: tl.constexpr,
+):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # one tile per program
     inside = offs < numel
     ids = tl.load(ids_ptr + offs, mask=inside, other=-1)  # each id read once

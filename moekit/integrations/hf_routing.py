@@ -31,9 +31,13 @@ _BLOCK = 1024
 @triton.jit(do_not_specialize=["numel"])
 def _marker_to_moekit_kernel(
     # Pointers
-    ids_ptr, weights_ptr, out_ids_ptr, out_weights_ptr,
+    ids_ptr,
+    weights_ptr,
+    out_ids_ptr,
+    out_weights_ptr,
     # Sizes
-    numel, E,
+    numel,
+    E,
     # Meta-parameters
     BLOCK: tl.constexpr,
 ):
@@ -55,8 +59,9 @@ def _shape(numel: int) -> tuple[tuple, int]:
     return (cdiv(numel, block),), block
 
 
-def launch_marker_to_moekit(ids: torch.Tensor, weights: torch.Tensor, E: int, *,
-                            stream: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def launch_marker_to_moekit(
+    ids: torch.Tensor, weights: torch.Tensor, E: int, *, stream: tuple[int, int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ids, weights)`` with transformers' marker ``E`` turned into -1 and the weight of any id outside
     ``[-1, E]`` into NaN (see the module docstring). Both contiguous ``[M, topk]``, on the ids' device."""
     ids, weights = ids.contiguous(), weights.contiguous()
@@ -65,10 +70,23 @@ def launch_marker_to_moekit(ids: torch.Tensor, weights: torch.Tensor, E: int, *,
     if numel == 0:
         return out_ids, out_weights
     grid, block = _shape(numel)
-    key = (ids.dtype, weights.dtype, block, int_spec(E), ids.data_ptr() % 16, weights.data_ptr() % 16,
-           out_ids.data_ptr() % 16, out_weights.data_ptr() % 16)  # fmt: skip
-    _MARKER(grid, (ids, weights, out_ids, out_weights, numel, E), key=key, constexprs=lambda: dict(BLOCK=block),
-            stream=stream)  # fmt: skip
+    key = (
+        ids.dtype,
+        weights.dtype,
+        block,
+        int_spec(E),
+        ids.data_ptr() % 16,
+        weights.data_ptr() % 16,
+        out_ids.data_ptr() % 16,
+        out_weights.data_ptr() % 16,
+    )
+    _MARKER(
+        grid,
+        (ids, weights, out_ids, out_weights, numel, E),
+        key=key,
+        constexprs=lambda: dict(BLOCK=block),
+        stream=stream,
+    )
     return out_ids, out_weights
 
 

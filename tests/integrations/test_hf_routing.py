@@ -1,4 +1,4 @@
-"""moekit.kernels.routing: transformers' routing in moekit's convention, in one launch."""
+"""moekit.integrations.hf_routing: transformers' routing in moekit's convention, in one launch."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 
 import moekit
 from moekit.experts import TritonExperts
-from moekit.kernels.routing import launch_marker_to_moekit
+from moekit.integrations.hf_routing import launch_marker_to_moekit
 from moekit.prepare_finalize import NoEPPrepareFinalize
 from moekit.testing import make_problem
 
