@@ -43,11 +43,12 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import moekit  # noqa: E402
-try:  # the wing (what a Hopper GPU runs); a checkout from before the split (--moekit) has it as TritonExperts
-    from moekit.hopper.experts import HopperTritonExperts  # noqa: E402
-except ImportError:  # pragma: no cover - an older checkout
-    from moekit.experts import TritonExperts as HopperTritonExperts  # noqa: E402
 from moekit.prepare_finalize import NoEPPrepareFinalize  # noqa: E402
+
+try:  # the wing (what a Hopper GPU runs); a checkout from before the split (--moekit) has it as TritonExperts
+    from moekit.hopper.experts import HopperTritonExperts
+except ImportError:  # pragma: no cover - an older checkout
+    from moekit.experts import TritonExperts as HopperTritonExperts
 
 E, TOPK, K, N = 128, 8, 2048, 1536  # Qwen3-30B-A3B: hidden 2048, intermediate 768
 SETS = 8

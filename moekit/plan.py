@@ -161,11 +161,8 @@ class Plan:
         self.planner, self.experts, self.batch = planner, experts, batch
 
     def count(self, chunk: Chunk) -> torch.Tensor:
-        """This chunk's rows per local expert, on the device (one count launch)."""
-        from moekit.kernels.count import launch_count  # on first use: `import moekit` loads no kernel module
-
-        p = self.batch.placement
-        return launch_count(self.chunk_ids(chunk), p.num_local_experts, p.expert_map)
+        """This chunk's rows per local expert, on the device (one launch of the count kernel)."""
+        return self.experts.count_tokens(self.chunk_ids(chunk), self.batch.placement)
 
     def call(self, chunk: Chunk, buffers, shapes: WorkspaceShapes, counts, meta) -> ExpertsCall:
         """The whole batch, unsliced; the chunk names the rows to compute (rows and slabs: token

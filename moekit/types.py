@@ -329,3 +329,21 @@ class ExpertPlacement:
     global_num_experts: int
     num_local_experts: int
     expert_map: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class KernelLaunch:
+    """One Triton launch as data, ``kernel[grid](*args, **consts)``: what a kernel's launcher works out.
+
+    :meth:`run` launches it as the Triton tutorials do. The Hopper wing runs the same launch again
+    without Triton's per-call argument binding (``moekit.hopper.launch.run_lean``), so the book's
+    kernels need no second launcher there.
+    """
+
+    kernel: object
+    grid: tuple
+    args: tuple
+    consts: dict
+
+    def run(self) -> None:
+        self.kernel[self.grid](*self.args, **self.consts)

@@ -49,12 +49,12 @@ def main(argv=None) -> int:
     ap.add_argument("--M", type=int, default=1)
     ap.add_argument("--trace-counts", type=int, default=1)
     args = ap.parse_args(argv)
-    import moekit.experts.triton as B
     import moekit.hopper.experts as T
     import moekit.modular_kernel as MK
     import moekit.plan as P
     import moekit.prepare_finalize.no_ep as NE
     import moekit.trace as TR
+    import moekit.workspace as W
 
     device = moekit.device.get_device()
     p = make_problem(args.M, E=128, topk=8, K=2048, N=1536, dtype=torch.bfloat16, device=device)
@@ -75,9 +75,11 @@ def main(argv=None) -> int:
                                (P.TokenPlanner, "plan", "plan"), (MK.ModularKernel, "_counts", "counts"),
                                (P.TokenPlan, "call", "call"), (TR.Trace, "add", "trace.add"),
                                (T.HopperTritonExperts, "apply", "apply"), (T, "launch_align", "  align"),
-                               (T, "fused_moe_gemm", "  gemm x2"), (B, "launch_silu_and_mul", "  silu"),
+                               (T, "fused_moe_gemm", "  gemm x2"), (T, "run_lean", "  lean relaunch"),
+                               (T, "launch_stream", "  stream"), (T, "launch_pair_blocks", "  pair blocks"),
                                (NE.NoEPPrepareFinalize, "finalize", "finalize"),
-                               (MK.ModularKernel, "_experts_pass", "experts pass")):  # fmt: skip
+                               (MK.ModularKernel, "_experts_pass", "experts pass"),
+                               (W.WorkspacePool, "follow", "pool.follow")):  # fmt: skip
         wrap(owner, name, label, acc)
     for _ in range(args.calls):
         forward()

@@ -31,6 +31,7 @@ from moekit.errors import InvalidInputError, QuantizationError, WorkspaceShapeEr
 from moekit.quant import FP8
 from moekit.types import (
     ActivationFormat,
+    ExpertPlacement,
     ExpertsCall,
     ExpertTokensMetadata,
     MoEWeights,
@@ -102,6 +103,14 @@ class Experts(ABC):
             raise QuantizationError(
                 f"a2_scale must hold 1 scale (per tensor) or one per token, [M={problem.M}] or [M, 1], got {shape}"
             )
+
+    def count_tokens(self, topk_ids: torch.Tensor, placement: ExpertPlacement) -> torch.Tensor:
+        """int32 ``[E_local]``: a chunk's rows per local expert, with ``count_expert_num_tokens``'s
+        kernel (the modular kernel asks once per chunk; bug 2's fix). A subclass may launch the same
+        kernel differently (the Hopper wing launches it without Triton's per-call binding)."""
+        from moekit.kernels.count import launch_count  # on first use: `import moekit` loads no kernel module
+
+        return launch_count(topk_ids, placement.num_local_experts, placement.expert_map)
 
     @abstractmethod
     def workspace_shapes(

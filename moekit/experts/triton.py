@@ -23,7 +23,7 @@ import torch
 
 from moekit.errors import QuantizationError
 from moekit.experts.base import Experts, carve
-from moekit.kernels.activation import launch_silu_and_mul, launch_silu_and_mul_fp8_group
+from moekit.kernels.activation import silu_and_mul_fp8_group_launch, silu_and_mul_launch
 from moekit.kernels.align import AlignedBlocks, launch_align
 from moekit.kernels.fused_moe import RowWindow, Tiles, fused_moe_gemm, pick_tiles
 from moekit.quant import FP8, FP8_GROUP
@@ -159,17 +159,23 @@ class TritonExperts(Experts):
     def activation(self, call: ExpertsCall, x: torch.Tensor, ws2: torch.Tensor):
         """``silu(x[:, :H]) * x[:, H:]`` into workspace2: ``(activation, None)``, or with fp8 the
         requantized activation and its scales, both carved from workspace2's bytes."""
+        act, scale, launch = self.activation_launch(call, x, ws2)
+        if launch is not None:
+            launch.run()
+        return act, scale
+
+    def activation_launch(self, call: ExpertsCall, x: torch.Tensor, ws2: torch.Tensor):
+        """``(activation, scales or None, the KernelLaunch that computes them)`` (see :meth:`activation`)."""
         R, N = x.shape
         H = N // 2
         if self.quant is not QuantScheme.FP8_BLOCK:
-            return launch_silu_and_mul(x, ws2, R, H, x_stride=N, out_stride=H), None
+            return ws2, None, silu_and_mul_launch(x, ws2, R, H, x_stride=N, out_stride=H)
         q = carve(ws2, (R, H), dtype=FP8)  # the fp8 values, then their fp32 scales, in ws2's bytes
         scale = carve(ws2, (R, H // FP8_GROUP), dtype=torch.float32, offset=R * H // 2)
         static = call.a2_scale.reshape(-1).float() if call.a2_scale is not None else None
         if static is not None and static.numel() > 1:  # (row chunks take a per-tensor scale only)
             static = static.repeat_interleave(call.problem.topk)  # one per token, shared by its topk rows
-        launch_silu_and_mul_fp8_group(x, q, scale, R, H, static_scale=static)
-        return q, scale
+        return q, scale, silu_and_mul_fp8_group_launch(x, q, scale, R, H, static_scale=static)
 
     @staticmethod
     def _align(call: ExpertsCall, block_m: int) -> AlignedBlocks:

@@ -38,12 +38,14 @@ from moekit.hopper.align import launch_align
 from moekit.hopper.configs import KernelConfig, get_config
 from moekit.hopper.gemm_args import GatedOutput
 from moekit.hopper.grouped_gemm import fused_moe_gemm
-from moekit.hopper.launch import launch_stream
+from moekit.hopper.launch import launch_stream, run_lean
 from moekit.hopper.pair_blocks import PairBlocks, launch_pair_blocks
 from moekit.kernels.align import AlignedBlocks
+from moekit.kernels.count import count_launch
 from moekit.kernels.fused_moe import RowWindow
 from moekit.quant import FP8, FP8_GROUP
 from moekit.types import (
+    ExpertPlacement,
     ExpertsCall,
     ExpertTokensMetadata,
     ProblemSize,
@@ -71,6 +73,7 @@ class HopperTritonExperts(TritonExperts):
         super().__init__(quant=quant)
         self.fuse_activation = check_flag(fuse_activation, "fuse_activation")
         self._tiles: dict = {}  # (problem, dtype) -> the tiles of both GEMMs (a pure function of them)
+        self._shapes: dict = {}  # (problem, dtype) -> the declared workspaces (eager speed only)
 
     def __repr__(self) -> str:
         return f"{self.name}(quant={self.quant.value}, fuse_activation={self.fuse_activation})"
@@ -83,12 +86,21 @@ class HopperTritonExperts(TritonExperts):
         tokens_meta: ExpertTokensMetadata | None = None,
     ) -> WorkspaceShapes:
         """``(M, topk, N)``, ``(M * topk, N/2)`` and output ``(M, topk, K)`` in the compute dtype
-        (fused activation: ``(M, topk, N/2)`` and ``(M * topk, 0)``)."""
-        M, N, K, topk = problem.M, problem.N, problem.K, problem.topk
-        dtype = self.compute_dtype(act_dtype)
-        if self.fuse_activation:
-            return WorkspaceShapes((M, topk, N // 2), (M * topk, 0), (M, topk, K), dtype)
-        return WorkspaceShapes((M, topk, N), (M * topk, N // 2), (M, topk, K), dtype)
+        (fused activation: ``(M, topk, N/2)`` and ``(M * topk, 0)``). Asked per chunk, as in the
+        book; answered from a memo (the shapes are a pure function of the sizes and the dtype)."""
+        key = (problem, act_dtype)
+        shapes = self._shapes.get(key)
+        if shapes is None:
+            M, N, K, topk = problem.M, problem.N, problem.K, problem.topk
+            dtype = self.compute_dtype(act_dtype)
+            if self.fuse_activation:
+                shapes = WorkspaceShapes((M, topk, N // 2), (M * topk, 0), (M, topk, K), dtype)
+            else:
+                shapes = WorkspaceShapes((M, topk, N), (M * topk, N // 2), (M, topk, K), dtype)
+            if len(self._shapes) > 1024:
+                self._shapes.clear()
+            self._shapes[key] = shapes
+        return shapes
 
     def row_workspace_shapes(self, rows: int, problem: ProblemSize, *, act_dtype: torch.dtype) -> WorkspaceShapes:
         """For a chunk of ``rows`` sorted rows: ``(rows, 1, N)`` and ``(rows, N/2)`` (fused:
@@ -237,6 +249,20 @@ class HopperTritonExperts(TritonExperts):
             **kw,
         )
         return "triton"
+
+    def count_tokens(self, topk_ids: torch.Tensor, placement: ExpertPlacement) -> torch.Tensor:
+        """The book's count kernel, launched lean (:func:`moekit.hopper.launch.run_lean`)."""
+        out, launch = count_launch(topk_ids, placement.num_local_experts, placement.expert_map)
+        if launch is not None:
+            run_lean(launch)
+        return out
+
+    def activation(self, call: ExpertsCall, x: torch.Tensor, ws2: torch.Tensor):
+        """The book's activation step, launched lean."""
+        act, scale, launch = self.activation_launch(call, x, ws2)
+        if launch is not None:
+            run_lean(launch)
+        return act, scale
 
     @staticmethod
     def _pair_blocks(call: ExpertsCall, block_m: int) -> PairBlocks:

@@ -218,4 +218,46 @@ def int_spec(value: int) -> int:
     return (1 if value == 1 else 16 if value % 16 == 0 else 0) + (64 if not -(2**31) <= value < 2**31 else 0)
 
 
-__all__ = ["LaunchKeyError", "LeanLauncher", "aligned", "int_spec", "launch_stream", "lean_supported", "verifying"]
+def launch_key(args: tuple, consts: dict) -> tuple:
+    """The variant key of a launch whose runtime arguments are tensors, None, ints, floats or bools:
+    each tensor's dtype and 16-byte alignment, each int's :func:`int_spec`, and the compile-time
+    arguments (what Triton's binder specializes on, and a little more: sizes it does not specialize
+    only split the kept variants further)."""
+    return tuple(_arg_key(arg) for arg in args), tuple(consts.items())
+
+
+def _arg_key(arg):
+    kind = type(arg)
+    if kind is torch.Tensor or isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16
+    if kind is int:
+        return int_spec(arg)
+    return arg if arg is None or kind is bool else kind
+
+
+_RELAUNCHERS: dict = {}  # one LeanLauncher per book kernel the wing relaunches
+_RELAUNCHERS_LOCK = threading.Lock()
+
+
+def run_lean(launch, *, stream: tuple[int, int] | None = None) -> None:
+    """Run a :class:`moekit.types.KernelLaunch` that a book launcher worked out, without Triton's
+    per-call binding after its first launch (the same kernel, grid and arguments)."""
+    lean = _RELAUNCHERS.get(launch.kernel)
+    if lean is None:
+        with _RELAUNCHERS_LOCK:
+            lean = _RELAUNCHERS.setdefault(launch.kernel, LeanLauncher(launch.kernel))
+    consts = launch.consts
+    lean(launch.grid, launch.args, key=launch_key(launch.args, consts), constexprs=lambda: consts, stream=stream)
+
+
+__all__ = [
+    "LaunchKeyError",
+    "LeanLauncher",
+    "aligned",
+    "int_spec",
+    "launch_key",
+    "launch_stream",
+    "lean_supported",
+    "run_lean",
+    "verifying",
+]

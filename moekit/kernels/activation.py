@@ -12,6 +12,7 @@ goes to memory.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -21,6 +22,7 @@ import triton.language as tl
 from moekit.device import interpreting
 from moekit.errors import InvalidInputError, QuantizationError
 from moekit.quant import FP8, FP8_GROUP, FP8_MAX, TINY_SCALE
+from moekit.types import KernelLaunch
 
 
 def _check_x(x: torch.Tensor) -> tuple[int, int]:
@@ -144,22 +146,36 @@ def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.T
     return launch_silu_and_mul(x, out, R, H, x_stride=x.stride(0) if R else 2 * H, out_stride=out.stride(0) if R else H)
 
 
-def launch_silu_and_mul(
+def silu_and_mul_launch(
     x: torch.Tensor, out: torch.Tensor, rows: int, width: int, *, x_stride: int, out_stride: int
-) -> torch.Tensor:
-    """:func:`silu_and_mul` unchecked, on ``rows`` rows of ``2 * width`` in ``x``, ``width`` in ``out`` (any buffer)."""
+) -> KernelLaunch | None:
+    """The launch of :func:`silu_and_mul` on ``rows`` rows of ``2 * width`` in ``x``, ``width`` in
+    ``out`` (any buffer), unchecked; None when there is nothing to compute."""
     if rows == 0 or width == 0:
-        return out
-    if interpreting():  # few, large programs: the interpreter pays per program
+        return None
+    grid, consts = _silu_tiles(rows, width, interpreting())
+    return KernelLaunch(_silu_and_mul_kernel, grid, (x, out, rows, width, x_stride, out_stride), consts)
+
+
+@functools.lru_cache(maxsize=4096)  # a pure function of the sizes, asked once per chunk
+def _silu_tiles(rows: int, width: int, interpreted: bool) -> tuple[tuple[int, int], dict]:
+    if interpreted:  # few, large programs: the interpreter pays per program
         BLOCK_H = min(triton.next_power_of_2(width), 256)
         BLOCK_R = max(1, 4096 // BLOCK_H)
     else:
         BLOCK_H = min(triton.next_power_of_2(width), 1024)
         BLOCK_R = max(1, 2048 // BLOCK_H)
     grid = (triton.cdiv(rows, BLOCK_R), triton.cdiv(width, BLOCK_H))
-    _silu_and_mul_kernel[grid](
-        x, out, rows, width, x_stride, out_stride, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, FIX_ROUNDING=interpreting()
-    )
+    return grid, dict(BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, FIX_ROUNDING=interpreted)
+
+
+def launch_silu_and_mul(
+    x: torch.Tensor, out: torch.Tensor, rows: int, width: int, *, x_stride: int, out_stride: int
+) -> torch.Tensor:
+    """:func:`silu_and_mul` unchecked (see :func:`silu_and_mul_launch`); returns ``out``."""
+    launch = silu_and_mul_launch(x, out, rows, width, x_stride=x_stride, out_stride=out_stride)
+    if launch is not None:
+        launch.run()
     return out
 
 
@@ -283,7 +299,7 @@ def silu_and_mul_fp8_group(
     )
 
 
-def launch_silu_and_mul_fp8_group(
+def silu_and_mul_fp8_group_launch(
     x: torch.Tensor,
     out_q: torch.Tensor,
     out_scale: torch.Tensor,
@@ -293,11 +309,12 @@ def launch_silu_and_mul_fp8_group(
     group: int = FP8_GROUP,
     static_scale: torch.Tensor | None = None,
     rows_padded: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`silu_and_mul_fp8_group` unchecked; ``static_scale`` flat, ``rows_padded`` scale rows (zeros past rows)."""
+) -> KernelLaunch | None:
+    """The launch of :func:`silu_and_mul_fp8_group` unchecked; ``static_scale`` flat, ``rows_padded``
+    scale rows (zeros past rows); None when there is nothing to compute."""
     R_pad = rows if rows_padded is None else rows_padded
     if rows == 0 or width == 0:
-        return out_q, out_scale
+        return None
     static = static_scale is not None
     stride_static = 0 if not static or static_scale.numel() == 1 else static_scale.stride(0)
     BLOCK_R = max(1, (4096 if interpreting() else 1024) // group)
@@ -305,5 +322,12 @@ def launch_silu_and_mul_fp8_group(
     strides = (x.stride(0), out_q.stride(0), out_scale.stride(0), out_scale.stride(1), stride_static)
     args = (x, out_q, out_scale, static_scale if static else out_scale, rows, R_pad, width, *strides)
     consts = dict(GROUP=group, BLOCK_R=BLOCK_R, STATIC=static, FP8_MAX=FP8_MAX, TINY=TINY_SCALE)
-    _silu_and_mul_fp8_group_kernel[grid](*args, **consts, FIX_ROUNDING=interpreting())
+    return KernelLaunch(_silu_and_mul_fp8_group_kernel, grid, args, dict(consts, FIX_ROUNDING=interpreting()))
+
+
+def launch_silu_and_mul_fp8_group(x, out_q, out_scale, rows, width, **options) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`silu_and_mul_fp8_group` unchecked (see :func:`silu_and_mul_fp8_group_launch`)."""
+    launch = silu_and_mul_fp8_group_launch(x, out_q, out_scale, rows, width, **options)
+    if launch is not None:
+        launch.run()
     return out_q, out_scale

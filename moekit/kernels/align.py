@@ -116,7 +116,6 @@ class AlignShape:
     size: int
     num_tiles: int  # programs of the count and scatter kernels
     num_bins: int  # histogram bins: a power of two > E + 1 (the last one takes dropped pairs)
-    tile: int  # pairs per program (TILE)
     scan_block: int  # tiles per step of the scan
     owned: int  # buckets whose padding one scatter program writes (a power of two)
 
@@ -155,7 +154,6 @@ def align_shape(numel: int, E: int, num_local: int, block_m: int) -> AlignShape:
         size=totals_off + _round32(E + 1),
         num_tiles=num_tiles,
         num_bins=max(32, triton.next_power_of_2(E + 2)),
-        tile=TILE,
         scan_block=min(1024, max(16, triton.next_power_of_2(num_tiles))),
         owned=triton.next_power_of_2(triton.cdiv(E + 1, num_tiles)) if num_tiles else 1,
     )

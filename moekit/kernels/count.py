@@ -33,6 +33,7 @@ import triton.language as tl
 
 from moekit.device import interpreting
 from moekit.errors import InvalidIdsError, InvalidInputError
+from moekit.types import KernelLaunch
 from moekit.validate import check_expert_map, check_ids, check_kernel_device, check_num_experts, check_numel
 
 METHODS = ("histogram", "scan")
@@ -135,6 +136,7 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=1024)  # a pure function of its arguments, asked once per count
 def _histogram_launch(numel: int, bins_needed: int, device: torch.device) -> tuple[int, int, int, int]:
     """(block, grid, num_warps, bins) for ``numel > 0`` ids: a tile as large as the input up to
     4096 ids, and at most ``2 x SMs`` programs, each striding over every grid-th tile."""
@@ -213,7 +215,7 @@ def count_expert_num_tokens(
     return launch_count(topk_ids, num_local_experts, expert_map, method=method)
 
 
-def launch_count(
+def count_launch(
     topk_ids: torch.Tensor,
     num_local_experts: int,
     expert_map: torch.Tensor | None = None,
@@ -221,21 +223,20 @@ def launch_count(
     method: str = "histogram",
     out: torch.Tensor | None = None,
     masked: bool = _HISTOGRAM_HAS_MASK,
-) -> torch.Tensor:
-    """:func:`count_expert_num_tokens` unchecked, into ``out`` if given; ``masked=False``: bad ids to a spare bin."""
+) -> tuple[torch.Tensor, KernelLaunch | None]:
+    """``(out, launch)`` of :func:`count_expert_num_tokens` unchecked: ``out`` allocated (or the one
+    given) and zeroed where the launch adds into it; ``masked=False``: bad ids to a spare bin."""
     numel = topk_ids.numel()
     device = topk_ids.device
     if numel == 0:
-        return torch.zeros(num_local_experts, dtype=torch.int32, device=device) if out is None else out.zero_()
+        return (torch.zeros(num_local_experts, dtype=torch.int32, device=device) if out is None else out.zero_()), None
     limit = expert_map.numel() if expert_map is not None else num_local_experts
     has_map = expert_map is not None
     if method == "scan":
         out = torch.empty(num_local_experts, dtype=torch.int32, device=device) if out is None else out
         block = triton.next_power_of_2(min(numel, 1024))
-        _count_scan_kernel[(num_local_experts,)](
-            topk_ids, expert_map, out, numel, limit, num_local_experts, HAS_MAP=has_map, BLOCK=block
-        )
-        return out
+        args = (topk_ids, expert_map, out, numel, limit, num_local_experts)
+        return out, KernelLaunch(_count_scan_kernel, (num_local_experts,), args, dict(HAS_MAP=has_map, BLOCK=block))
     block, grid, warps, bins = _histogram_launch(numel, num_local_experts + (0 if masked else 1), device)
     solo = grid == 1
     if out is None:
@@ -243,5 +244,13 @@ def launch_count(
     elif not solo:
         out.zero_()
     consts = dict(HAS_MAP=has_map, BLOCK=block, NUM_BINS=bins, MASKED=masked, SOLO=solo, num_warps=warps)
-    _count_histogram_kernel[(grid,)](topk_ids, expert_map, out, numel, limit, num_local_experts, **consts)
+    args = (topk_ids, expert_map, out, numel, limit, num_local_experts)
+    return out, KernelLaunch(_count_histogram_kernel, (grid,), args, consts)
+
+
+def launch_count(topk_ids: torch.Tensor, num_local_experts: int, expert_map=None, **options) -> torch.Tensor:
+    """:func:`count_expert_num_tokens` unchecked (see :func:`count_launch`); returns the counts."""
+    out, launch = count_launch(topk_ids, num_local_experts, expert_map, **options)
+    if launch is not None:
+        launch.run()
     return out

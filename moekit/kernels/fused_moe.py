@@ -65,13 +65,11 @@ class Tiles:
 
     def __post_init__(self):
         for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise InvalidInputError(f"{type(self).__name__}.{name} must be a positive int, got {value!r}")
-        for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
-            value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise InvalidInputError(f"{type(self).__name__}.{name} must be a power of two >= 16, got {value}")
+            value, tile = getattr(self, name), name.startswith("BLOCK")
+            bad_int = not isinstance(value, int) or isinstance(value, bool) or value <= 0
+            if bad_int or (tile and (value < 16 or value & (value - 1))):
+                want = "a power of two >= 16" if tile else "a positive int"
+                raise InvalidInputError(f"{type(self).__name__}.{name} must be {want}, got {value!r}")
 
     @property
     def launch(self) -> dict:
@@ -239,16 +237,6 @@ def _fused_moe_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-def check_float_pair(a: torch.Tensor, w: torch.Tensor) -> bool:
-    """``a`` and ``w`` are both fp8, or share one of fp32/fp16/bf16; returns whether they are fp8."""
-    fp8 = a.dtype == FP8
-    if fp8 != (w.dtype == FP8):
-        raise QuantizationError(f"a and w must both be fp8 or both not, got {a.dtype} and {w.dtype}")
-    if not fp8 and (a.dtype != w.dtype or a.dtype not in _FLOATS):
-        raise InvalidInputError(f"a and w must share a float dtype (fp32/fp16/bf16), got {a.dtype} and {w.dtype}")
-    return fp8
-
-
 def check_rows(a, out, blocks, pairs_per_row, tiles, window: RowWindow | None) -> None:
     """The rows ``out`` and ``a`` must hold (one per pair, or one per position of a row chunk), and
     tiles that fit the blocks."""
@@ -292,21 +280,6 @@ def check_rows(a, out, blocks, pairs_per_row, tiles, window: RowWindow | None) -
         )
 
 
-def check_scales(a, w, a_scale, w_scale, tiles, *, width: int) -> None:
-    """fp8 needs both scales, float32 and of their documented shapes, and whole 128-wide groups."""
-    E, N, K = w.shape
-    want_a, want_w = (a.shape[0], triton.cdiv(K, FP8_GROUP)), (E, triton.cdiv(N, FP8_GROUP), triton.cdiv(K, FP8_GROUP))
-    for name, scale, want in (("a_scale", a_scale, want_a), ("w_scale", w_scale, want_w)):
-        if not isinstance(scale, torch.Tensor) or tuple(scale.shape) != want or scale.dtype != torch.float32:
-            got = "None" if scale is None else f"{getattr(scale, 'dtype', type(scale).__name__)} {tuple(scale.shape)}"
-            raise QuantizationError(f"fp8 needs {name} float32 {want}, got {got}")
-    if FP8_GROUP % tiles.BLOCK_K or K % FP8_GROUP or (width != N and width % FP8_GROUP):
-        raise QuantizationError(
-            f"fp8 block GEMM needs K (and a gated N/2) % 128 == 0 and BLOCK_K dividing 128, got K={K}, N={N}, "
-            f"BLOCK_K={tiles.BLOCK_K}"
-        )
-
-
 def check_gemm_args(
     a, w, out, blocks, pairs_per_row, tiles, a_scale, w_scale, window=None, *, width=None, fp8_out=False
 ) -> bool:
@@ -325,11 +298,26 @@ def check_gemm_args(
             f"a must be [rows, K={K}] and out [M, topk, {width}], got {tuple(a.shape)} and {tuple(out.shape)}"
         )
     check_rows(a, out, blocks, pairs_per_row, tiles, window)
-    fp8 = check_float_pair(a, w)
+    fp8 = a.dtype == FP8  # both fp8, or both one of fp32/fp16/bf16
+    if fp8 != (w.dtype == FP8):
+        raise QuantizationError(f"a and w must both be fp8 or both not, got {a.dtype} and {w.dtype}")
+    if not fp8 and (a.dtype != w.dtype or a.dtype not in _FLOATS):
+        raise InvalidInputError(f"a and w must share a float dtype (fp32/fp16/bf16), got {a.dtype} and {w.dtype}")
     if out.dtype not in _FLOATS and not (fp8_out and out.dtype == FP8):
         raise InvalidInputError(f"out must be fp32/fp16/bf16, got {out.dtype}")
-    if fp8:
-        check_scales(a, w, a_scale, w_scale, tiles, width=width)
+    if not fp8:
+        return False
+    # fp8: both scales, float32 and of their documented shapes, and whole 128-wide groups
+    want_a, want_w = (a.shape[0], triton.cdiv(K, FP8_GROUP)), (E, triton.cdiv(N, FP8_GROUP), triton.cdiv(K, FP8_GROUP))
+    for name, scale, want in (("a_scale", a_scale, want_a), ("w_scale", w_scale, want_w)):
+        if not isinstance(scale, torch.Tensor) or tuple(scale.shape) != want or scale.dtype != torch.float32:
+            got = f"{scale.dtype} {tuple(scale.shape)}" if isinstance(scale, torch.Tensor) else type(scale).__name__
+            raise QuantizationError(f"fp8 needs {name} float32 {want}, got {got}")
+    if FP8_GROUP % tiles.BLOCK_K or K % FP8_GROUP or (width != N and width % FP8_GROUP):
+        raise QuantizationError(
+            f"fp8 block GEMM needs K (and a gated N/2) % 128 == 0 and BLOCK_K dividing 128, got K={K}, N={N}, "
+            f"BLOCK_K={tiles.BLOCK_K}"
+        )
     return fp8
 
 
@@ -388,26 +376,14 @@ def fused_moe_gemm(
     scales = (a_scale, w_scale, *a_scale.stride(), *w_scale.stride()) if fp8 else (a, w, 0, 0, 0, 0, 0)
     num_blocks = (end - start) // tiles.BLOCK_M
     grid = (num_blocks * triton.cdiv(N, tiles.BLOCK_N),)
+    # the kernel's arguments, in the groups of its signature
+    pointers = (a, w, out, scales[0], scales[1], blocks.buffer)
+    sizes = (N, K, blocks.numel, num_blocks, start, blocks.expert_offset, blocks.post_offset, blocks.block_m)
+    strides = (*a.stride(), *w.stride(), stride_pair, stride_col, *scales[2:])
     _fused_moe_kernel[grid](
-        a,
-        w,
-        out,
-        scales[0],
-        scales[1],
-        blocks.buffer,
-        N,
-        K,
-        blocks.numel,
-        num_blocks,
-        start,
-        blocks.expert_offset,
-        blocks.post_offset,
-        blocks.block_m,
-        *a.stride(),
-        *w.stride(),
-        stride_pair,
-        stride_col,
-        *scales[2:],
+        *pointers,
+        *sizes,
+        *strides,
         PAIRS_PER_ROW=pairs_per_row,
         IS_FP8=fp8,
         READ_BY_POSITION=window is not None and window.read == "position",

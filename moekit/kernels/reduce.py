@@ -12,6 +12,8 @@ makes two fp32 copies of ``[M, topk, K]`` first, about 5x the bytes.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -88,6 +90,7 @@ def _min_programs() -> int:
     return 0 if interpreting() else MIN_PROGRAMS
 
 
+@functools.lru_cache(maxsize=4096)  # a pure function of the sizes, asked once per forward
 def _reduce_shape(M: int, K: int, min_programs: int) -> tuple[tuple[int, int], dict]:
     """(grid, tile sizes and warps) of a launch: they follow from the sizes alone.
 

@@ -125,3 +125,24 @@ def test_int_spec_and_alignment_follow_tritons_classes():
     assert [L.int_spec(v) for v in (1, 16, 32, 7, 0, 2**31, -(2**31) - 1)] == [1, 16, 16, 0, 16, 80, 64]
     x = torch.empty(64, dtype=torch.float32)
     assert L.aligned(x, None) and not L.aligned(x[1:])
+
+
+def test_a_book_launch_runs_lean_with_the_same_result(device):
+    """run_lean launches what a book launcher worked out (here the count kernel's launch) and gives
+    what the book's own plain launch gives; its key tells apart what Triton specializes on."""
+    from moekit.kernels.count import count_launch
+
+    ids = torch.randint(-1, 9, (37, 4), device=device, dtype=torch.int32)
+    for _ in range(2):  # the second run takes the kept variant (on a GPU)
+        lean_out, launch = count_launch(ids, 8)
+        L.run_lean(launch)
+        book_out, book_launch = count_launch(ids, 8)
+        book_launch.run()
+        assert torch.equal(lean_out, book_out) and int(book_out.sum()) == int(((ids >= 0) & (ids < 8)).sum())
+    t = torch.zeros(4, dtype=torch.float32)
+    base = L.launch_key((t, None, 16, 3), {"B": 1})
+    assert base != L.launch_key((t.half(), None, 16, 3), {"B": 1})  # dtype
+    assert base != L.launch_key((torch.zeros(8)[1:5], None, 16, 3), {"B": 1})  # alignment
+    assert base != L.launch_key((t, t, 16, 3), {"B": 1})  # None against a tensor
+    assert base != L.launch_key((t, None, 1, 3), {"B": 1})  # an int's class
+    assert base == L.launch_key((t, None, 32, 5), {"B": 1}) and base != L.launch_key((t, None, 16, 3), {"B": 2})

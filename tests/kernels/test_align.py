@@ -246,7 +246,7 @@ def test_shape_of_the_buffer():
     """One AlignShape per size; the pieces of the buffer follow each other on 32-entry boundaries."""
     sh = align_shape(TILE * 3 + 1, 8, 6, 16)
     assert sh is align_shape(TILE * 3 + 1, 8, 6, 16)
-    assert sh.num_tiles == 4 and sh.tile == TILE and sh.max_padded == max_padded_size(TILE * 3 + 1, 9, 16)
+    assert sh.num_tiles == 4 and sh.max_padded == max_padded_size(TILE * 3 + 1, 9, 16)
     assert sh.max_blocks * 16 == sh.max_padded and sh.num_bins > sh.E + 1
     assert 0 < sh.expert_off < sh.post_off < sh.counts_off < sh.totals_off < sh.size
     assert all(off % 32 == 0 for off in (sh.expert_off, sh.post_off, sh.counts_off, sh.totals_off, sh.size))
