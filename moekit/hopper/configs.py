@@ -53,13 +53,7 @@ class KernelConfig(Tiles):
     warp_specialize: bool = False
 
     def __post_init__(self):
-        for name, value in self.launch.items():
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise InvalidInputError(f"KernelConfig.{name} must be a positive int, got {value!r}")
-        for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
-            value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise InvalidInputError(f"KernelConfig.{name} must be a power of two >= 16, got {value}")
+        super().__post_init__()  # the tile shape, warps and stages, as the book's Tiles
         tail = self.TAIL_M
         if (
             not isinstance(tail, int)
@@ -80,18 +74,6 @@ class KernelConfig(Tiles):
 
     def __hash__(self) -> int:  # computed once: a config is part of every GEMM launch's key
         return self._hash
-
-    @property
-    def launch(self) -> dict:
-        """Keyword arguments for a kernel launch (the tile shape, warps and stages); a new dict."""
-        return dict(
-            BLOCK_M=self.BLOCK_M,
-            BLOCK_N=self.BLOCK_N,
-            BLOCK_K=self.BLOCK_K,
-            GROUP_M=self.GROUP_M,
-            num_warps=self.num_warps,
-            num_stages=self.num_stages,
-        )
 
 
 # Few, large programs: the interpreter's cost is per program and per k-step, not per element

@@ -65,11 +65,11 @@ class Tiles:
 
     def __post_init__(self):
         for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"):
-            value, tile = getattr(self, name), name.startswith("BLOCK")
-            bad_int = not isinstance(value, int) or isinstance(value, bool) or value <= 0
-            if bad_int or (tile and (value < 16 or value & (value - 1))):
-                want = "a power of two >= 16" if tile else "a positive int"
-                raise InvalidInputError(f"{type(self).__name__}.{name} must be {want}, got {value!r}")
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise InvalidInputError(f"{type(self).__name__}.{name} must be a positive int, got {value!r}")
+            if name.startswith("BLOCK") and (value < 16 or value & (value - 1)):
+                raise InvalidInputError(f"{type(self).__name__}.{name} must be a power of two >= 16, got {value}")
 
     @property
     def launch(self) -> dict:

@@ -97,3 +97,25 @@ def test_bit_identical_where_the_order_of_summation_is_the_same(device):
     args = (x.bfloat16(), w1.bfloat16(), w2.bfloat16(), weights, ids)
     wing, ref = _both(SameTiles(), book, args)
     assert torch.equal(wing, ref)
+
+
+def test_the_wing_relaunches_the_books_count_and_activation(device, monkeypatch):
+    """Each chunk's count and activation are the book's kernels, relaunched by the wing (run_lean)
+    and not launched a second time by the book's own launchers."""
+    import moekit.hopper.experts as wing
+    import moekit.kernels.activation as activation
+    import moekit.kernels.count as count
+
+    relaunched, plain = [], []
+    real = wing.run_lean
+    monkeypatch.setattr(wing, "run_lean", lambda launch, **kw: relaunched.append(launch.kernel) or real(launch, **kw))
+    for module, name in ((count, "launch_count"), (activation, "launch_silu_and_mul")):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _f=original, **k: plain.append(_f) or _f(*a, **k))
+    x, w1, w2, weights, ids, _ = _layer(device, 40, 8, 2, 128, 128)
+    kernel = moekit.ModularKernel(NoEPPrepareFinalize(), HopperTritonExperts(), chunk_size=20)
+    out = kernel(x, w1, w2, weights, ids)
+    kinds = [getattr(k, "fn", k).__name__ for k in relaunched]
+    assert kinds.count("_count_histogram_kernel") == 2 and kinds.count("_silu_and_mul_kernel") == 2, kinds
+    assert plain == [] and all(r.counts is not None for r in kernel.last_trace.chunks)
+    assert_close(out, moekit.reference.moe_reference(x, w1, w2, weights, ids), dtype=torch.float32)
