@@ -220,7 +220,7 @@ class ModularKernel:
         if M == 0 and not self.prepare_finalize.collective:  # upstream divided by zero here (#26523)
             return hidden.new_empty((0, K))
         pool = self.pool if self._given_pool else self._own_pool(hidden.device)
-        with pool.lock:
+        with pool.borrowed() as pool:
             pool.follow()
             prepared = self.prepare_finalize.prepare(
                 hidden, topk_weights, topk_ids, quant=self.experts.quant, placement=placement

@@ -20,6 +20,7 @@ share them (``moekit.fused_moe``'s kernels).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from dataclasses import dataclass
@@ -67,7 +68,21 @@ class WorkspacePool:
         self.grows = 0
         self.requests = 0
         self.peak_bytes = 0
+        self._depth = 0  # forwards inside borrowed() now, by the thread holding the lock
         self._reset()
+
+    @contextlib.contextmanager
+    def borrowed(self):
+        """This pool for one forward, behind its lock (threads take turns). A forward started inside
+        another one on the same pool, by the same thread (an experts class or a hook that calls
+        moekit), gets a pool of its own: it must not be handed the outer forward's output and
+        workspaces, which that forward is still writing."""
+        with self.lock:
+            nested, self._depth = self._depth > 0, self._depth + 1
+            try:
+                yield WorkspacePool(self.device) if nested else self
+            finally:
+                self._depth -= 1
 
     def _reset(self) -> None:
         empty = torch.empty(0, dtype=torch.uint8, device=self.device)
@@ -81,7 +96,7 @@ class WorkspacePool:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self.lock = threading.RLock()
+        self.lock, self._depth = threading.RLock(), 0
         self._reset()
 
     def serves(self, device: torch.device | str) -> bool:

@@ -30,8 +30,13 @@ def sum_ranks(rank, world, offset):
     t = torch.tensor([rank + offset])
     dist.all_reduce(t)
     gathered = gather_traces(FakeTrace(rank))
-    return {"rank": rank, "world": world, "sum": t, "interpreter": os.environ.get("TRITON_INTERPRET"),
-            "gathered": gathered}
+    return {
+        "rank": rank,
+        "world": world,
+        "sum": t,
+        "interpreter": os.environ.get("TRITON_INTERPRET"),
+        "gathered": gathered,
+    }
 
 
 def fail_on_one(rank, world):
@@ -210,8 +215,13 @@ def test_init_from_env_joins_a_torchrun_style_group(monkeypatch):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": str(port)}.items():
+    for k, v in {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }.items():
         monkeypatch.setenv(k, v)
     try:
         assert init_from_env(backend="gloo", timeout_s=30) == (0, 1)
@@ -239,8 +249,24 @@ def test_results_move_to_cpu_recursively():
 def test_ep_cli_runs_every_rank_and_prints_counts(capsys):
     from moekit.ep import main
 
-    argv = ["--world-size", "2", "--M", "9,0", "--E", "4", "--topk", "2", "--K", "32", "--N", "32",
-            "--chunk-size", "4", "--timeout", "120"]
+    argv = [
+        "--world-size",
+        "2",
+        "--M",
+        "9,0",
+        "--E",
+        "4",
+        "--topk",
+        "2",
+        "--K",
+        "32",
+        "--N",
+        "32",
+        "--chunk-size",
+        "4",
+        "--timeout",
+        "120",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "rank 1: M=0 tokens" in out and "chunk 0 [triton]" in out and "MISMATCH" not in out
@@ -301,3 +327,21 @@ def test_gloo_listens_on_loopback_when_the_hostname_resolves_elsewhere(tmp_path)
     assert got["resolved"] == address, got  # the setup works: the hostname resolves beyond loopback
     loopback = {"0100007F", "00000000000000000000000001000000"}
     assert all(got["listening"]) and all(set(r) <= loopback for r in got["listening"]), got
+
+
+@pytest.mark.parametrize("bad", [float("inf"), 1e10, 1e20, float("nan"), 0, -1, True, "30"])
+def test_every_timeout_is_a_number_of_seconds_or_a_named_error(bad):
+    """inf and values past what c10d's clock holds are refused by name at construction (they used to
+    pass and then fail inside torch: OverflowError, DistNetworkError); None keeps its meaning where
+    documented (the process group's own timeout)."""
+    from moekit.distributed.process_group import MAX_TIMEOUT_S, check_timeout
+    from moekit.prepare_finalize import All2AllPrepareFinalize
+
+    with expect_raises(InvalidInputError, match="timeout_s must be a number of seconds"):
+        launch(abs, 1, timeout_s=bad)
+    with expect_raises(InvalidInputError, match="timeout_s must be a number of seconds"):
+        All2AllPrepareFinalize(timeout_s=bad)
+    All2AllPrepareFinalize(timeout_s=None)
+    check_timeout(MAX_TIMEOUT_S)
+    with expect_raises(InvalidInputError, match="or None"):
+        check_timeout(bad, none_means="the group's own timeout")

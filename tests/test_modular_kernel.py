@@ -509,3 +509,30 @@ def test_twelve_concurrent_calls_each_read_their_own_trace():
         t.join()
     assert not errors, errors
     assert seen == [(4 + i, -(-(4 + i) // 3), 4 + i) for i in range(12)]
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_forward_inside_a_forward_on_the_same_pool_gets_its_own_buffers(device, shared):
+    """An experts class (or a hook) that runs moekit inside ``apply``, on the pool the outer forward
+    holds (the process's shared pool, or one pool handed to both kernels), must not be handed the
+    outer forward's output and workspaces: both results stay right."""
+    from moekit.experts import TritonExperts
+    from moekit.testing import make_problem
+    from moekit.workspace import shared_pool
+
+    pool = shared_pool(device) if shared else WorkspacePool(device)
+    outer_p = make_problem(24, E=4, topk=2, K=64, N=128, seed=1, device=device)
+    inner_p = make_problem(24, E=4, topk=2, K=64, N=128, seed=2, device=device)  # same shapes: same views
+    inner = ModularKernel(NoEPPrepareFinalize(), TritonExperts(), pool=pool)
+    inner_outs = []
+
+    class Nested(TritonExperts):
+        def apply(self, call):
+            inner_outs.append(inner(*inner_p.inputs()))
+            return super().apply(call)
+
+    out = ModularKernel(NoEPPrepareFinalize(), Nested(), chunk_size=8, pool=pool)(*outer_p.inputs())
+    assert len(inner_outs) == 3
+    assert_close(out, outer_p.reference(), dtype=outer_p.hidden.dtype)
+    for got in inner_outs:
+        assert_close(got, inner_p.reference(), dtype=inner_p.hidden.dtype)

@@ -88,7 +88,7 @@ def summary(results: list[Result], *, wall_seconds: float | None = None) -> str:
     return "\n".join(lines)
 
 
-def write_index(results: list[Result], out_dir: Path) -> Path:
+def write_index(results: list[Result], out_dir: Path, *, title: str = "moekit walkthrough") -> Path:
     """``index.html``: what it ran on, one row per notebook with links, then every saved figure."""
     from moekit.cli.system_info import collect_info
 
@@ -107,11 +107,83 @@ def write_index(results: list[Result], out_dir: Path) -> Path:
         for f in r.figures
     )
     page = (
-        "<!doctype html><html><head><meta charset='utf-8'><title>moekit walkthrough</title><style>"
-        "body{font-family:sans-serif;margin:2em}td,th{padding:4px 10px;border-bottom:1px solid #ddd}"
-        ".ok{color:green}.bad{color:#b00;font-weight:bold}</style></head><body><h1>moekit walkthrough</h1>"
-        f"{ran_on}<table><tr><th>notebook</th><th>seconds</th><th>status</th><th>parameters</th><th>error</th></tr>"
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{esc(title)}</title>{_STYLE}</head><body>"
+        f"<h1>{esc(title)}</h1>{ran_on}<table><tr><th>notebook</th><th>seconds</th><th>status</th><th>parameters</th><th>error</th></tr>"
         f"{rows}</table><h2>Figures</h2>{figs}</body></html>"
+    )
+    index = out_dir / "index.html"
+    index.write_text(page, encoding="utf-8")
+    return index
+
+
+_STYLE = (
+    "<style>body{font-family:sans-serif;margin:2em}td,th{padding:4px 10px;border-bottom:1px solid #ddd}"
+    ".ok{color:green}.bad{color:#b00;font-weight:bold}</style>"
+)
+RUN_MARKER = ".moekit-walkthrough-run.json"  # in every run folder: what the run wrote, and how it went
+
+
+def run_name(notebooks: list[str], parameters: dict[str, dict], *, every: bool) -> str:
+    """The folder of a run: ``all`` for every notebook with their defaults, else the notebooks and
+    the overrides it ran (``02_workspace_shape_crash+M=300``), so that another run never replaces it."""
+    if every and not any(parameters.values()):
+        return "all"
+    parts = []
+    for name in notebooks:
+        given = parameters.get(name) or {}
+        parts.append(name.split("_")[0] + "".join(f"+{k}={v}" for k, v in sorted(given.items())))
+    slug = "_".join(parts)
+    return "".join(ch if ch.isalnum() or ch in "+=_-." else "-" for ch in slug)[:120]
+
+
+def claim_run_folder(run_dir: Path) -> None:
+    """Make ``run_dir`` ready for a run: new, or one this walkthrough wrote before, from which only the
+    files it wrote then are removed. Raises FileExistsError for a folder the walkthrough did not make
+    (a user's files are never deleted or overwritten)."""
+    marker = run_dir / RUN_MARKER
+    if run_dir.exists() and not marker.is_file():
+        raise FileExistsError(f"{run_dir} exists and was not written by `moekit walkthrough`; choose another --out")
+    if marker.is_file():
+        for name in json.loads(marker.read_text()).get("files", []):
+            path = run_dir / name
+            if path.is_file() and path.resolve().is_relative_to(run_dir.resolve()):
+                path.unlink()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    marker.write_text(json.dumps({"files": []}))
+
+
+def record_run(run_dir: Path, results: list[Result]) -> None:
+    """Write the run's marker: the files it wrote (the next run of the same name removes only those)
+    and a line per notebook for the index of runs."""
+    files = [
+        p.relative_to(run_dir).as_posix() for p in sorted(run_dir.rglob("*")) if p.is_file() and p.name != RUN_MARKER
+    ]
+    notebooks = [
+        {"name": r.name, "status": r.status, "seconds": round(r.seconds, 1), "parameters": r.parameters}
+        for r in results
+    ]
+    (run_dir / RUN_MARKER).write_text(json.dumps({"files": files, "notebooks": notebooks, "time": time.time()}))
+
+
+def write_runs_index(out_dir: Path) -> Path:
+    """``out_dir/index.html``: every run kept under ``out_dir/runs/``, newest first, with its notebooks."""
+    esc, rows = html.escape, []
+    runs = []
+    for marker in (out_dir / "runs").glob(f"*/{RUN_MARKER}"):
+        try:
+            runs.append((json.loads(marker.read_text()), marker.parent.name))
+        except (OSError, ValueError):
+            continue
+    for info, name in sorted(runs, key=lambda r: -r[0].get("time", 0)):
+        cells = ", ".join(
+            f"<span class='{'ok' if n['status'] == 'ok' else 'bad'}'>{esc(n['name'])}</span>"
+            for n in info.get("notebooks", [])
+        )
+        rows.append(f"<tr><td><a href='runs/{esc(name)}/index.html'>{esc(name)}</a></td><td>{cells}</td></tr>")
+    page = (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>moekit walkthrough runs</title>{_STYLE}</head>"
+        f"<body><h1>moekit walkthrough runs</h1><table><tr><th>run</th><th>notebooks</th></tr>{''.join(rows)}"
+        "</table></body></html>"
     )
     index = out_dir / "index.html"
     index.write_text(page, encoding="utf-8")

@@ -2,7 +2,7 @@
 
 ::
 
-    moekit walkthrough                      # all notebooks -> build/walkthrough/index.html
+    moekit walkthrough                      # all notebooks -> build/walkthrough/runs/all/index.html
     moekit walkthrough -p M 256             # M=256 in every notebook that has a parameter M
     moekit walkthrough 02:M=256 02:C=64     # only in notebook 02
     moekit walkthrough --only 02 03         # a subset
@@ -10,11 +10,15 @@
     moekit walkthrough --update-docs        # also copy the key figures to docs/figures/
     moekit walkthrough --jobs 1             # one notebook at a time (default: two, each in its own kernel)
 
-For each notebook it writes the executed ``.ipynb`` and its HTML (nbconvert), then an
-``index.html`` linking them (with what it ran on: ``moekit info``), prints a table (notebook,
-seconds, status) and returns 1 if any notebook failed. Cells tagged ``figure:<name>`` have
-their PNG saved as ``figures/<name>.png`` (the README's figures). papermill, nbconvert and tqdm
-are imported inside the functions.
+Each run writes into a folder of its own, ``<out>/runs/<name>/``, named by what it ran (``all``,
+or the notebooks and overrides: ``02+M=300``), so one run never replaces another's pages; the
+walkthrough removes only files it wrote itself (a folder it did not make is refused), and refuses
+an ``--out`` that is or holds the notebooks' folder. For each notebook it writes the executed
+``.ipynb`` and its HTML (nbconvert), then the run's ``index.html`` linking them (with what it ran
+on: ``moekit info``), and ``<out>/index.html`` lists every run. It prints a table (notebook,
+seconds, status) and returns 1 if any notebook failed, 2 for bad arguments. Cells tagged
+``figure:<name>`` have their PNG saved as ``figures/<name>.png`` in the run's folder (the README's
+figures). papermill, nbconvert and tqdm are imported inside the functions.
 
 This module is the command line (:func:`build_parser`, :func:`main`); the parts it calls live in
 :mod:`moekit.cli.notebook_parameters` (what each notebook declares and gets),
@@ -35,7 +39,18 @@ from pathlib import Path
 
 from moekit.cli.kernel_spec import KERNEL_NAME, kernel_spec_dir, use_moekit_kernel
 from moekit.cli.notebook_parameters import declared_parameters, parameters_for, parse_value, scoped_overrides
-from moekit.cli.notebook_runs import FIGURE_TAG, Result, extract_figures, run_one, summary, write_index
+from moekit.cli.notebook_runs import (
+    FIGURE_TAG,
+    Result,
+    claim_run_folder,
+    extract_figures,
+    record_run,
+    run_name,
+    run_one,
+    summary,
+    write_index,
+    write_runs_index,
+)
 
 
 def repo_root() -> Path:
@@ -101,6 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     root = repo_root()
     nb_dir = (args.notebooks or root / "notebooks").resolve()
     out_dir = (args.out or root / "build" / "walkthrough").resolve()
+    if nb_dir == out_dir or nb_dir.is_relative_to(out_dir):
+        print(
+            f"moekit walkthrough: --out {out_dir} is or holds the notebooks' folder ({nb_dir}); the executed "
+            "copies would overwrite the notebooks. Choose a folder outside it (default: build/walkthrough).",
+            file=sys.stderr,
+        )
+        return 2
     every = sorted(nb_dir.glob("[0-9][0-9]_*.ipynb"))
     if not every:
         print(f"moekit walkthrough: no notebooks found in {nb_dir}", file=sys.stderr)
@@ -128,8 +150,15 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 2
     plans = [(n, parameters_for(n, declared_parameters(n), global_params, scoped)) for n in notebooks]
-    shutil.rmtree(out_dir / "figures", ignore_errors=True)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    # Each run has a folder of its own under out_dir/runs/, named by what it ran: another run (other
+    # notebooks, other parameters) never replaces it, and out_dir/index.html lists them all.
+    names = [n.stem for n in notebooks]
+    run_dir = out_dir / "runs" / run_name(names, {n.stem: p for n, p in plans}, every=notebooks == every)
+    try:
+        claim_run_folder(run_dir)
+    except FileExistsError as error:
+        print(f"moekit walkthrough: {error}", file=sys.stderr)
+        return 2
     kernel, start = use_moekit_kernel(), time.perf_counter()
     results: list[Result | None] = [None] * len(plans)
     # Each notebook runs in a kernel process of its own: threads here only wait on them. The
@@ -140,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     ):
         futures = {
             pool.submit(
-                run_one, notebook, out_dir, params, kernel=kernel, timeout=args.timeout, html_report=not args.no_html
+                run_one, notebook, run_dir, params, kernel=kernel, timeout=args.timeout, html_report=not args.no_html
             ): i
             for i, (notebook, params) in enumerate(plans)
         }
@@ -148,19 +177,21 @@ def main(argv: list[str] | None = None) -> int:
             r = results[futures[done]] = done.result()
             bar.update(1)
             bar.set_postfix(last=f"{r.name} {r.status} {r.seconds:.0f}s")
-    index = write_index(results, out_dir)
+    index = write_index(results, run_dir, title=f"moekit walkthrough: {run_dir.name}")
+    record_run(run_dir, results)
+    write_runs_index(out_dir)
     print(summary(results, wall_seconds=time.perf_counter() - start))
     for r in results:
         if r.error:
             print(f"{r.name}: {r.error}", file=sys.stderr)
-    print(f"report: {index}")
+    print(f"report: {index} (every run: {out_dir / 'index.html'})")
     ok = all(r.status == "ok" for r in results)
     if args.update_docs and not ok:
         print("docs/figures left unchanged: a notebook failed", file=sys.stderr)
     elif args.update_docs:
         docs = args.docs_dir or root / "docs" / "figures"
         docs.mkdir(parents=True, exist_ok=True)
-        for png in sorted((out_dir / "figures").glob("*.png")):
+        for png in sorted((run_dir / "figures").glob("*.png")):
             shutil.copy2(png, docs / png.name)
         print(f"figures copied to {docs}")
     return 0 if ok else 1

@@ -30,8 +30,10 @@ def gather_objects(obj: Any, *, group=None, timeout_s: float | None = None) -> l
     Two exchanges (the sizes, then the padded bytes), each waiting at most ``timeout_s`` seconds
     (None: the group's own timeout), then DistributedError. A collective: every rank must call it.
     """
+    from moekit.distributed.process_group import check_timeout
     from moekit.prepare_finalize.agreement import wait
 
+    check_timeout(timeout_s, none_means="the group's own timeout")  # on every rank, before any exchange
     on_gpu = dist.get_backend(group) == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     world = dist.get_world_size(group)

@@ -26,11 +26,31 @@ def default_backend(world_size: int) -> str:
     return "nccl" if on_cuda and torch.cuda.device_count() >= world_size else "gloo"
 
 
+MAX_TIMEOUT_S = 1e9  # about 31 years; past about 9.2e9 s c10d's nanosecond clock overflows (a raw DistNetworkError)
+
+
+def check_timeout(timeout_s, *, none_means: str | None = None) -> None:
+    """``timeout_s`` is a number of seconds in ``(0, MAX_TIMEOUT_S]``, or None where the caller gives
+    None a meaning (``none_means``). "No timeout" is never a value: every collective moekit starts
+    waits with one, so ``inf`` is refused by name rather than overflowing inside torch.
+
+    Raises:
+        InvalidInputError: anything else (a string, a bool, 0, a negative, NaN, inf, 1e20).
+    """
+    if timeout_s is None and none_means is not None:
+        return
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not 0 < timeout_s <= MAX_TIMEOUT_S:
+        also = f", or None ({none_means})" if none_means else ""
+        raise InvalidInputError(
+            f"timeout_s must be a number of seconds in (0, {MAX_TIMEOUT_S:.0e}]{also}, got {timeout_s!r}; moekit "
+            "waits with a timeout on every collective, so there is no 'no timeout' value"
+        )
+
+
 def check_backend(backend: str | None, world_size: int, timeout_s) -> str:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size <= 0:
         raise InvalidInputError(f"world_size must be a positive int, got {world_size!r}")
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not timeout_s > 0:
-        raise InvalidInputError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
+    check_timeout(timeout_s)
     backend = default_backend(world_size) if backend is None else backend
     if backend not in BACKENDS:
         raise InvalidInputError(f"backend must be one of {BACKENDS} or None, got {backend!r}")

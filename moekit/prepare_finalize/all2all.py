@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from moekit.distributed.process_group import check_timeout
 from moekit.errors import CapacityError, DistributedError, InvalidIdsError, InvalidInputError
 from moekit.prepare_finalize import capacity
 from moekit.prepare_finalize.agreement import WIRE_IDS, Agreement, Dispatch, refusal_code, wait
@@ -109,10 +110,7 @@ class All2AllPrepareFinalize(PrepareFinalize):
         max_tokens_per_rank: int | None = None,
         check: str = "sync",
     ):
-        if timeout_s is not None and (
-            isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not timeout_s > 0
-        ):
-            raise InvalidInputError(f"timeout_s must be a number > 0 (seconds) or None, got {timeout_s!r}")
+        check_timeout(timeout_s, none_means="the process group's own timeout")
         if mode not in MODES or check not in CHECKS:
             raise InvalidInputError(f"mode must be one of {MODES} and check one of {CHECKS}, got {mode!r}, {check!r}")
         C = max_tokens_per_rank

@@ -251,3 +251,18 @@ def test_shape_of_the_buffer():
     assert 0 < sh.expert_off < sh.post_off < sh.counts_off < sh.totals_off < sh.size
     assert all(off % 32 == 0 for off in (sh.expert_off, sh.post_off, sh.counts_off, sh.totals_off, sh.size))
     assert sh.totals_off - sh.counts_off >= (sh.E + 1) * sh.num_tiles and sh.owned * sh.num_tiles >= sh.E + 1
+
+
+@pytest.mark.parametrize("keep_empty", [False, True])
+def test_an_id_equal_to_E_never_reads_the_map(device, keep_empty):
+    """transformers marks an empty slot with id == E: the align treats it as empty (dropped, or kept in
+    the remote bucket) and never reads ``expert_map[E]``, one entry past the map's end."""
+    E = 6
+    ids = torch.full((5, 2), E, dtype=torch.int32, device=device)
+    ids[0, 0] = 1
+    emap = torch.arange(E, dtype=torch.int32, device=device)
+    blocks = moe_align_block_size(ids, 16, E, emap, keep_empty=keep_empty)
+    check_against_spec(blocks, ids, 16, E, emap, keep_empty=keep_empty)
+    used = int(blocks.num_tokens_post_padded)
+    local_blocks = [int(e) for e in blocks.expert_ids[: used // 16] if int(e) >= 0]
+    assert local_blocks == [1]  # only pair 0 lands on a local expert
