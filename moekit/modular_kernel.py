@@ -247,7 +247,7 @@ class ModularKernel:
             call = plan.call(chunk, pool.take(given), own, counts, meta)
             record = trace.add(chunk, plan.backend(chunk), given, own, call.output, counts, batch.weights.expert_bytes)
             backend = plan.run(self.experts, call)
-            record.finish(backend, self.experts.why(call.problem), counts)
+            record.finish(backend, self.experts.why(call.problem))
         trace.peak_workspace_bytes = pool.peak_bytes
         return plan.output
 
@@ -266,6 +266,11 @@ class ModularKernel:
     ) -> tuple[MoEWeights, ExpertPlacement, ProblemSize]:
         """Every argument, once, before anything runs (also when M is 0)."""
         check_moe_inputs(hidden, w1, w2, topk_weights, topk_ids)
+        if hidden.is_meta:  # no values to check there (the map's, the scales'): the device is the mistake
+            check_kernel_device(hidden, "hidden")
+        if hidden.dtype not in self.experts.act_dtypes:  # fp64 into a Triton GEMM was inf, silently
+            names = ", ".join(str(d).removeprefix("torch.") for d in self.experts.act_dtypes)
+            raise InvalidInputError(f"{self.experts.name} computes in {names}; hidden is {hidden.dtype}")
         weights = MoEWeights(w1, w2, w1_scale, w2_scale)
         placement = check_placement(w1, expert_map, global_num_experts, hidden.device, self._seen)
         if expert_map is not None and not self.experts.supports_expert_map:

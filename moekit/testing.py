@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from moekit.errors import InvalidInputError
 from moekit.quant import (
     FP8,
     FP8_GROUP,
@@ -36,6 +37,7 @@ from moekit.types import ExpertPlacement, ExpertsCall, ExpertTokensMetadata, MoE
 # and the fp8 layer quantizes twice (activations, then the intermediate), so one element may be
 # off by a few percent of the maximum; fp8 results must also be within NORM_TOLERANCE in norm.
 TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float64: (2e-4, 2e-4),  # as fp32: the reference computes in fp32
     torch.float32: (2e-4, 2e-4),
     torch.float16: (1e-2, 1e-2),
     torch.bfloat16: (2e-2, 2e-2),
@@ -45,7 +47,14 @@ NORM_TOLERANCE = {FP8: 4e-2}
 
 
 def tolerance(dtype: torch.dtype) -> tuple[float, float]:
-    """(atol, rtol) for results computed in ``dtype``."""
+    """(atol, rtol) for results computed in ``dtype``.
+
+    Raises:
+        InvalidInputError: a dtype moekit computes nothing in (an int dtype, complex).
+    """
+    if dtype not in TOLERANCES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in TOLERANCES)
+        raise InvalidInputError(f"tolerance: moekit computes in {names}, got {dtype!r}")
     return TOLERANCES[dtype]
 
 

@@ -40,12 +40,9 @@ class ChunkRecord:
         if self.needed is None:
             self.needed = self.shapes
 
-    def finish(self, backend: str, note: str = "", counts: torch.Tensor | None = None) -> None:
-        """The chunk's ``apply`` returned: record the backend that actually ran (and why, if a
-        fallback), and the counts its experts filled in if the record had none."""
+    def finish(self, backend: str, note: str = "") -> None:
+        """The chunk ran: the backend that ran it and why (when it was a fallback)."""
         self.backend, self.note, self.completed = backend, note, True
-        if self.counts is None:
-            self.counts = counts
 
     @property
     def M(self) -> int:

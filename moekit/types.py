@@ -91,20 +91,11 @@ class ProblemSize:
             raise InvalidInputError(
                 f"local experts ({self.num_local_experts}) > global experts ({self.global_num_experts})"
             )
-        object.__setattr__(self, "_hash", hash(self._key()))
-
-    def _key(self) -> tuple:
-        return (self.M, self.N, self.K, self.topk, self.global_num_experts, self.num_local_experts)
-
-    def __hash__(self) -> int:  # computed once: sizes are keys of the plans' remembered shapes
-        return self._hash
 
     def with_M(self, M: int) -> ProblemSize:
         """The same problem for another row count (a chunk); not validated again: M comes from a plan."""
         sub = object.__new__(ProblemSize)
-        sub.__dict__.update(self.__dict__)
-        sub.__dict__["M"] = M
-        sub.__dict__["_hash"] = hash(sub._key())
+        sub.__dict__.update(self.__dict__, M=M)
         return sub
 
 

@@ -536,3 +536,41 @@ def test_a_forward_inside_a_forward_on_the_same_pool_gets_its_own_buffers(device
     assert_close(out, outer_p.reference(), dtype=outer_p.hidden.dtype)
     for got in inner_outs:
         assert_close(got, inner_p.reference(), dtype=inner_p.hidden.dtype)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 4])
+def test_an_activation_dtype_an_experts_class_cannot_compute_is_refused_by_name(device, chunk_size):
+    """fp64 activations: a named error at the door, before any buffer is taken, for every class that
+    computes in fp32/fp16/bf16 (the Triton GEMMs gave inf, silently; torch's grouped GEMM a raw
+    RuntimeError); the torch-loop reference class computes them."""
+    from moekit.experts import BatchedTritonExperts, GroupedMMExperts, NaiveBatchedExperts, TritonExperts
+    from moekit.hopper.experts import HopperTritonExperts
+    from moekit.prepare_finalize import BatchedPrepareFinalize
+    from moekit.testing import expect_raises, make_problem
+
+    p = make_problem(8, E=4, topk=2, K=128, N=256, dtype=torch.float64, seed=3, device=device)
+    standard = [TritonExperts(), HopperTritonExperts(), GroupedMMExperts()]
+    for experts in [*standard, BatchedTritonExperts()]:
+        stage = NoEPPrepareFinalize() if experts in standard else BatchedPrepareFinalize(max_tokens=8)
+        pool = WorkspacePool(device)
+        kernel = ModularKernel(stage, experts, chunk_size=chunk_size if experts in standard else None, pool=pool)
+        with expect_raises(InvalidInputError, match=f"{experts.name} computes in float32, float16, bfloat16"):
+            kernel(*p.inputs())
+        assert pool.requests == 0
+    out = ModularKernel(BatchedPrepareFinalize(max_tokens=8), NaiveBatchedExperts())(*p.inputs())
+    assert_close(out, p.reference(), dtype=torch.float32)
+
+
+def test_meta_tensors_get_the_device_error_first():
+    """With every tensor on the meta device and an expert map, the named device error comes before
+    anything reads the map's values (that raised torch's raw 'Tensor.item() cannot be called')."""
+    from moekit.experts import TritonExperts
+    from moekit.testing import expect_raises
+
+    m = torch.device("meta")
+    args = (torch.empty(4, 64, device=m), torch.empty(4, 128, 64, device=m), torch.empty(4, 64, 64, device=m),
+            torch.empty(4, 2, device=m), torch.zeros(4, 2, dtype=torch.int32, device=m))  # fmt: skip
+    kernel = ModularKernel(NoEPPrepareFinalize(), TritonExperts())
+    for kw in ({}, {"expert_map": torch.arange(4, dtype=torch.int32, device=m)}):
+        with expect_raises(InvalidInputError, match="hidden is on meta"):
+            kernel(*args, **kw)

@@ -277,3 +277,14 @@ def test_wall_ms_warms_up_once_then_takes_the_median():
     assert len(calls) == 6 and ms >= 2.0
     calls.clear()
     assert wall_ms(lambda: calls.append(1)) > 0 and len(calls) == 4  # default: 3 repeats
+
+
+def test_tolerance_knows_every_dtype_moekit_computes_in_and_names_the_others():
+    from moekit.errors import InvalidInputError
+    from moekit.testing import expect_raises, tolerance
+
+    for dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn):
+        atol, rtol = tolerance(dtype)
+        assert 0 < atol < 1 and 0 < rtol < 1
+    with expect_raises(InvalidInputError, match="got torch.int32"):
+        tolerance(torch.int32)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import json
+import sys
 from pathlib import Path
 
 
@@ -49,7 +50,29 @@ def parameters_for(notebook: Path, declared: dict, global_params: dict, scoped: 
                     f"(it has {', '.join(declared) or 'none'})"
                 )
             params[key] = value
+    for key, value in params.items():
+        problem = override_problem(value, declared[key])
+        if problem:
+            print(f"moekit walkthrough: {notebook.stem}: {key}={value!r} {problem}", file=sys.stderr)
+            raise SystemExit(2)
     return params
+
+
+def override_problem(value, default) -> str:
+    """Why ``value`` cannot replace a notebook's ``default`` (its type; and its sign where the default
+    is a positive int: a size or a count), or "" when it can. A default of None takes anything."""
+    if default is None:
+        return ""
+    if isinstance(default, bool) or not isinstance(default, int | float):
+        if type(value) is type(default):
+            return ""
+        return f"is a {type(value).__name__}; the default ({default!r}) is a {type(default).__name__}"
+    number = (int, float) if isinstance(default, float) else (int,)
+    if isinstance(value, bool) or not isinstance(value, number):
+        return f"is not a{'' if number == (int,) else ' real'} number like the default ({default!r})"
+    if isinstance(default, int) and default > 0 and value < 0:
+        return f"must be >= 0: the default ({default!r}) is a size or a count"
+    return ""
 
 
 def scoped_overrides(items: list[str]) -> list[tuple[str, str, object]]:

@@ -57,6 +57,8 @@ class Experts(ABC):
     supports_row_chunks: ClassVar[bool] = False
     supports_expert_map: ClassVar[bool] = True
     uses_tokens_meta: ClassVar[bool] = False
+    # the activation dtypes apply computes in (checked at the modular kernel's door, by name)
+    act_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float16, torch.bfloat16)
 
     def __init__(self, *, quant: QuantScheme = QuantScheme.NONE):
         if not isinstance(quant, QuantScheme):

@@ -98,6 +98,8 @@ class NaiveBatchedExperts(_BatchedExperts):
         quant: ``QuantScheme.NONE`` or ``QuantScheme.FP8_BLOCK``.
     """
 
+    act_dtypes = (torch.float64, torch.float32, torch.float16, torch.bfloat16)  # a torch loop: fp64 too
+
     def backend_for(self, problem: ProblemSize) -> str:
         return "torch"
 

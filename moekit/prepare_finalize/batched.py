@@ -1,6 +1,7 @@
 """``BatchedPrepareFinalize``: one process, Batched format. Gather tokens into per-expert slabs.
 
-Shapes (M tokens, K hidden, E local experts, T = max_tokens)::
+Shapes (M tokens, K hidden, E local experts, T = min(max_tokens, M * topk): no slab is taller
+than the pairs that came, whatever max_tokens allows)::
 
     prepare:   hidden [M, K], topk_ids [M, topk]  ->  a1q [E, T, K], counts int32 [E]
                a1q[e, :counts[e]] are the tokens that chose local expert e, in token order;
@@ -63,8 +64,9 @@ class BatchedPrepareFinalize(PrepareFinalize):
     (upstream sized it by the global count and used the first E_local entries).
 
     Args:
-        max_tokens: rows per expert slab (T). An expert chosen by more tokens than this raises
-            :class:`~moekit.errors.CapacityError` before anything is written.
+        max_tokens: the most tokens one expert may receive. An expert chosen by more tokens
+            than this raises :class:`~moekit.errors.CapacityError` before anything is written.
+            Slabs hold ``T = min(max_tokens, M * topk)`` rows, so a large bound costs no memory.
 
     Raises:
         InvalidInputError: ``max_tokens`` is not a positive int.
@@ -87,7 +89,7 @@ class BatchedPrepareFinalize(PrepareFinalize):
         quant: QuantScheme,
         placement: ExpertPlacement,
     ) -> Prepared:
-        """Slabs ``a1q [E_local, max_tokens, K]`` (fp8 with ``[E_local, max_tokens, K/128]``
+        """Slabs ``a1q [E_local, T, K]`` (fp8 with ``[E_local, T, K/128]``
         scales for ``QuantScheme.FP8_BLOCK``) and tokens per local expert.
 
         Raises:
@@ -99,7 +101,7 @@ class BatchedPrepareFinalize(PrepareFinalize):
             )
         M, K = hidden.shape
         topk = topk_ids.shape[1]
-        E, T = placement.num_local_experts, self.max_tokens
+        E, T = placement.num_local_experts, min(self.max_tokens, M * topk)  # slabs no taller than the pairs
         device = hidden.device
 
         # Sort the (token, slot) pairs by local expert; a stable sort keeps token order inside

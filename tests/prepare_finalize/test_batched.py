@@ -140,8 +140,8 @@ def test_m_zero():
     p = pf.prepare(
         torch.randn(0, 8), torch.zeros(0, 2), ids, quant=QuantScheme.NONE, placement=ExpertPlacement(3, 3)
     )
-    assert p.a1q.shape == (3, 4, 8) and p.tokens_meta.expert_num_tokens.tolist() == [0, 0, 0]
-    assert pf.finalize(torch.randn(3, 4, 8), p, output=torch.empty(0, 8)).shape == (0, 8)
+    assert p.a1q.shape == (3, 0, 8) and p.tokens_meta.expert_num_tokens.tolist() == [0, 0, 0]  # no pairs: no rows
+    assert pf.finalize(torch.randn(3, 0, 8), p, output=torch.empty(0, 8)).shape == (0, 8)
 
 
 @pytest.mark.parametrize("bad", [0, -1, True, 2.5, None])
@@ -154,3 +154,27 @@ def test_format_and_repr():
     pf = BatchedPrepareFinalize(max_tokens=3)
     assert pf.activation_format is ActivationFormat.BATCHED
     assert repr(pf) == "BatchedPrepareFinalize(max_tokens=3)"
+
+
+def test_slabs_are_no_taller_than_the_pairs_that_came_and_max_tokens_is_exact():
+    """max_tokens bounds what one expert may receive; slabs hold min(max_tokens, M * topk) rows, so
+    max_tokens=2**40 allocates nothing more (it tried 420 TB); exactly max_tokens tokens pass, one
+    more raises CapacityError before anything is written."""
+    M, K, E = 6, 16, 3
+    hidden, weights, ids = _inputs(M, K, E, 2)
+    placement = ExpertPlacement(E, E, None)
+    huge = BatchedPrepareFinalize(max_tokens=2**40).prepare(hidden, weights, ids, quant=QuantScheme.NONE,
+                                                             placement=placement)  # fmt: skip
+    assert huge.a1q.shape == (E, M * 2, K)
+    ids[:, 0] = 1  # expert 1: every token once
+    ids[:, 1] = torch.where(ids[:, 1] == 1, 0, ids[:, 1])
+    exact = BatchedPrepareFinalize(max_tokens=M).prepare(hidden, weights, ids, quant=QuantScheme.NONE,
+                                                         placement=placement)  # fmt: skip
+    assert int(exact.tokens_meta.expert_num_tokens[1]) == M
+    with expect_raises(CapacityError, match=f"received {M} tokens but max_tokens={M - 1}"):
+        BatchedPrepareFinalize(max_tokens=M - 1).prepare(hidden, weights, ids, quant=QuantScheme.NONE,
+                                                         placement=placement)  # fmt: skip
+    out = moekit.ModularKernel(BatchedPrepareFinalize(max_tokens=2**40), NaiveBatchedExperts())
+    w1, w2 = torch.randn(E, 8, K), torch.randn(E, K, 4)
+    ref = moekit.reference.moe_reference(hidden, w1, w2, weights, ids)
+    assert_close(out(hidden, w1, w2, weights, ids), ref, dtype=torch.float32)
