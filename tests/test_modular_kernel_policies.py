@@ -1,4 +1,4 @@
-"""moekit.policies: what the chunk loop hands each chunk (PR #20392's fix, and the loop before it)."""
+"""The pre-fix policies at the end of moekit.modular_kernel: what the chunk loop hands each chunk."""
 
 from __future__ import annotations
 
