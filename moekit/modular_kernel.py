@@ -55,7 +55,6 @@ from moekit.types import (
     problem_size,
 )
 from moekit.validate import (
-    SeenValues,
     check_flag,
     check_id_range,
     check_kernel_device,
@@ -139,7 +138,6 @@ class ModularKernel:
         )
         self.metadata = METADATA_POLICIES[metadata_policy]()
         self._local = threading.local()
-        self._seen = SeenValues()  # the expert maps and scales whose values this kernel checked already
 
     @property
     def workspace_policy(self) -> str:
@@ -272,7 +270,8 @@ class ModularKernel:
             names = ", ".join(str(d).removeprefix("torch.") for d in self.experts.act_dtypes)
             raise InvalidInputError(f"{self.experts.name} computes in {names}; hidden is {hidden.dtype}")
         weights = MoEWeights(w1, w2, w1_scale, w2_scale)
-        placement = check_placement(w1, expert_map, global_num_experts, hidden.device, self._seen)
+        collective = self.prepare_finalize.collective  # an all-to-all reads the map's values in its own exchange
+        placement = check_placement(w1, expert_map, global_num_experts, hidden.device, values=not collective)
         if expert_map is not None and not self.experts.supports_expert_map:
             raise InvalidInputError(f"{self.experts.name} does not support an expert_map")
         check_id_range(topk_ids, placement.global_num_experts)
@@ -281,7 +280,7 @@ class ModularKernel:
         problem = problem_size(M, N, K, topk, placement.global_num_experts, placement.num_local_experts)
         self.experts.check(problem, weights, a2_scale=a2_scale)
         if a2_scale is not None:
-            check_scale_values(a2_scale, "a2_scale", self._seen)
+            check_scale_values(a2_scale, "a2_scale")
         if a2_scale is not None and a2_scale.numel() > 1 and self.chunk_by == "rows":
             raise QuantizationError(
                 f"a per-token a2_scale ({tuple(a2_scale.shape)}) cannot follow rows sorted by expert "

@@ -8,7 +8,6 @@ kernel launchers) trust what they are handed.
 from __future__ import annotations
 
 import functools
-import threading
 
 import torch
 
@@ -18,7 +17,10 @@ from moekit.quant import FP8
 from moekit.types import ExpertPlacement
 
 MAX_IDS = 2**31 - 2**20  # ids per kernel call: int32 offsets, with room for a tile past the end and the padding
-MAX_EXPERTS = MAX_IDS  # experts (global or local) per layer: the kernels index expert ids and counts with int32
+# Experts (global or local) per layer. The count and align kernels keep one bin per expert in a program
+# (a histogram, the bucket totals) and Triton caps a tensor at 2**20 elements; 4096 (Switch-C had 2048,
+# DeepSeek-V3 256) keeps every kernel's per-program tensors small on a GPU and is tested at the limit.
+MAX_EXPERTS = 4096
 _SIGNED_INT = (torch.int8, torch.int16, torch.int32, torch.int64)
 _UNSIGNED_INT = (torch.uint8, torch.uint16, torch.uint32, torch.uint64)
 
@@ -39,13 +41,13 @@ def check_positive_int(
 
 
 def check_num_experts(value, name: str) -> int:
-    """``value`` must be an int in ``[1, MAX_EXPERTS]`` (the kernels index experts with int32); returns it.
+    """``value`` must be an int in ``[1, MAX_EXPERTS]`` (the kernels bin experts in one program); returns it.
 
     ``count_expert_num_tokens(ids, 2**40)`` once tried to allocate 4 TiB of counts before failing.
     """
     check_positive_int(value, name)
     if value > MAX_EXPERTS:
-        raise InvalidInputError(f"{name} must be at most {MAX_EXPERTS} (experts are indexed with int32), got {value}")
+        raise InvalidInputError(f"{name} must be at most {MAX_EXPERTS} (the kernels bin every expert), got {value}")
     return value
 
 
@@ -191,45 +193,20 @@ def check_moe_inputs(
         raise InvalidInputError(f"w1 and w2 must share a dtype, got {w1.dtype} and {w2.dtype}")
 
 
-class SeenValues:
-    """Tensors whose values were checked already, by storage and version (a thread-safe set).
-
-    Checking the values of a tensor on the GPU (an expert map's entries, a scale) reads them on the
-    host: a sync. Each is checked the first time its storage is seen at that version (an in-place
-    write bumps the version, a new tensor has new storage), and trusted after; so a forward with the
-    same map costs no sync, and a CUDA graph capture of it (after one eager call) makes none.
-    """
-
-    def __init__(self, *, capacity: int = 64):
-        self._seen: dict[tuple, None] = {}
-        self._capacity = capacity
-        self._lock = threading.Lock()
-
-    @staticmethod
-    def key(t: torch.Tensor, what: str) -> tuple:
-        return (what, t.data_ptr(), t._version, t.numel(), t.dtype, t.device)
-
-    def __contains__(self, key: tuple) -> bool:
-        return key in self._seen
-
-    def add(self, key: tuple) -> None:
-        with self._lock:
-            if len(self._seen) >= self._capacity:
-                self._seen.clear()
-            self._seen[key] = None
-
-    def __getstate__(self) -> dict:
-        return {"_capacity": self._capacity}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(capacity=state["_capacity"])
+def capturing(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a CUDA tensor read while this stream captures a CUDA graph (no read-back then)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def check_map_values(expert_map: torch.Tensor, num_local: int, seen: SeenValues | None = None) -> None:
+def check_map_values(expert_map: torch.Tensor, num_local: int) -> None:
     """Every map entry is -1 (another rank's expert) or a local id in ``[0, num_local)``: compared in the
-    map's own dtype, so an int64 ``2**32 + 1`` is refused, not wrapped to local expert 1."""
-    key = SeenValues.key(expert_map, f"expert_map<{num_local}")
-    if seen is not None and key in seen:
+    map's own dtype, so an int64 ``2**32 + 1`` is refused, not wrapped to local expert 1.
+
+    Read on every call (on a GPU, a small read-back): the caller owns the tensor and may have written
+    it since, in ways no version counter sees (a numpy view, ``.data``, a new tensor at a freed one's
+    address), so no earlier answer is trusted. Inside a CUDA graph capture nothing can be read (and a
+    replay runs no host code): there the values are the caller's to keep right."""
+    if capturing(expert_map):
         return
     bad = (expert_map != -1) & ((expert_map < 0) | (expert_map >= num_local))
     if expert_map.numel() and bool(bad.any()):
@@ -239,22 +216,17 @@ def check_map_values(expert_map: torch.Tensor, num_local: int, seen: SeenValues 
             f"expert_map entries must be -1 (another rank's expert) or a local id in [0, {num_local}), got "
             f"{values} at global ids {where}"
         )
-    if seen is not None:
-        seen.add(key)
 
 
-def check_scale_values(scale: torch.Tensor, name: str, seen: SeenValues | None = None) -> None:
+def check_scale_values(scale: torch.Tensor, name: str) -> None:
     """A static scale divides activations: every value must be finite and > 0 (0 zeroes the layer,
-    NaN poisons it). Checked once per storage and version (``seen``)."""
-    key = SeenValues.key(scale, name)
-    if seen is not None and key in seen:
+    NaN poisons it). Read on every call, as :func:`check_map_values` says why."""
+    if capturing(scale):
         return
     ok = torch.isfinite(scale) & (scale > 0)
     if scale.numel() and not bool(ok.all()):
         bad = scale.flatten()[~ok.flatten()][:4].tolist()
         raise QuantizationError(f"{name} values must be finite and > 0, got {bad}")
-    if seen is not None:
-        seen.add(key)
 
 
 @functools.lru_cache(maxsize=256)
@@ -267,10 +239,12 @@ def check_placement(
     expert_map: torch.Tensor | None,
     global_num_experts,
     device: torch.device,
-    seen: SeenValues | None = None,
+    *,
+    values: bool = True,
 ) -> ExpertPlacement:
-    """Which experts this call holds: E_local from w1, E_global from the argument or the map; a map's
-    values are checked once per storage and version (``seen``)."""
+    """Which experts this call holds: E_local from w1, E_global from the argument or the map; the map's
+    values are read too unless ``values=False`` (an all-to-all checks them on the device, in the
+    exchange that already syncs: :mod:`moekit.prepare_finalize.agreement`)."""
     E_local = w1.shape[0]
     if expert_map is None and type(global_num_experts) is int and E_local <= global_num_experts <= MAX_EXPERTS:
         return _placement(global_num_experts, E_local)
@@ -285,6 +259,6 @@ def check_placement(
         raise InvalidInputError(f"expert_map has {expert_map.numel()} entries but global_num_experts={E_global}")
     if E_global < E_local:
         raise InvalidInputError(f"global_num_experts={E_global} < local experts {E_local} (w1 holds {E_local})")
-    if expert_map is not None:
-        check_map_values(expert_map, E_local, seen)
+    if expert_map is not None and values:
+        check_map_values(expert_map, E_local)
     return ExpertPlacement(E_global, E_local, expert_map)

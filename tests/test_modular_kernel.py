@@ -16,11 +16,12 @@ from moekit.errors import (
     MoekitError,
     WorkspaceShapeError,
 )
+from moekit.experts import TritonExperts
 from moekit.experts.base import Experts, carve
 from moekit.modular_kernel import ModularKernel
 from moekit.prepare_finalize import NoEPPrepareFinalize
 from moekit.reference import count_reference, local_expert_ids, moe_reference
-from moekit.testing import assert_close
+from moekit.testing import assert_close, make_problem
 from moekit.types import ActivationFormat, WorkspaceShapes
 from moekit.workspace import WorkspacePool
 
@@ -574,3 +575,64 @@ def test_meta_tensors_get_the_device_error_first():
     for kw in ({}, {"expert_map": torch.arange(4, dtype=torch.int32, device=m)}):
         with expect_raises(InvalidInputError, match="hidden is on meta"):
             kernel(*args, **kw)
+
+
+# Values the caller owns are read on every call (issue 37, item 1): a write that no version counter
+# sees, after a first good call, is refused by name, as a fresh kernel refuses it.
+
+UNSEEN_WRITES = {  # writes to entry 0 of a CPU tensor that leave its version counter alone
+    "numpy view": lambda t, v: t.numpy().__setitem__(0, v),
+    ".data": lambda t, v: t.data.__setitem__(0, v),
+    "dlpack alias": lambda t, v: torch.from_dlpack(t).__setitem__(0, v),
+}
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("write", list(UNSEEN_WRITES))
+def test_a_map_written_after_a_good_call_is_checked_again(write):
+    p = make_problem(6, E=8, topk=2, K=32, N=64, dtype=torch.float32, seed=21, device="cpu").shard(0, 2)
+    kernel = ModularKernel(NoEPPrepareFinalize(), TritonExperts(), chunk_size=4)
+    p.check(kernel(*p.inputs(), **p.options()))
+    version = p.expert_map._version
+    UNSEEN_WRITES[write](p.expert_map, 4)  # == E_local: that expert's tokens would be dropped silently
+    assert p.expert_map._version == version, "the write must be one that no version counter sees"
+    with pytest.raises(moekit.errors.InvalidIdsError, match=r"got \[4\] at global ids \[0\]"):
+        kernel(*p.inputs(), **p.options())
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("write", list(UNSEEN_WRITES))
+@pytest.mark.parametrize("value", [0.0, float("nan")])
+def test_an_a2_scale_written_after_a_good_call_is_checked_again(write, value):
+    p = make_problem(5, E=4, topk=2, K=128, N=256, quant=moekit.QuantScheme.FP8_BLOCK, seed=22, device="cpu")
+    kernel = ModularKernel(NoEPPrepareFinalize(), TritonExperts(quant=moekit.QuantScheme.FP8_BLOCK))
+    a2 = torch.full((1,), 0.02)
+    kernel(*p.inputs(), **p.options(), a2_scale=a2)
+    UNSEEN_WRITES[write](a2, value)
+    with pytest.raises(moekit.errors.QuantizationError, match="a2_scale values must be finite and > 0"):
+        kernel(*p.inputs(), **p.options(), a2_scale=a2)
+
+
+@pytest.mark.interpreter
+def test_inference_mode_tensors_work_in_and_out_of_inference_mode():
+    # Inference tensors have no version counter: a cache keyed on it raised a raw RuntimeError.
+    with torch.inference_mode():
+        p = make_problem(7, E=8, topk=2, K=32, N=64, dtype=torch.float32, seed=23, device="cpu").shard(1, 2)
+        kernel = ModularKernel(NoEPPrepareFinalize(), TritonExperts(), chunk_size=4)
+        p.check(kernel(*p.inputs(), **p.options()))  # the pool grows here, under inference mode
+        p.check(kernel(*p.inputs(), **p.options()))
+    p.check(kernel(*p.inputs(), **p.options()))  # then outside it: the same pool, inference tensors in
+    fresh = make_problem(7, E=8, topk=2, K=32, N=64, dtype=torch.float32, seed=24, device="cpu").shard(1, 2)
+    fresh.check(kernel(*fresh.inputs(), **fresh.options()))  # ordinary tensors into that pool
+    with torch.inference_mode():
+        fresh.check(kernel(*fresh.inputs(), **fresh.options()))
+
+
+@pytest.mark.interpreter
+def test_a_layer_at_the_documented_maximum_of_experts_matches_the_reference():
+    from moekit.validate import MAX_EXPERTS
+
+    p = make_problem(48, E=MAX_EXPERTS, topk=2, K=16, N=32, dtype=torch.float32, seed=25, device="cpu").shard(1, 2)
+    p.check(ModularKernel(NoEPPrepareFinalize(), TritonExperts(), chunk_size=16)(*p.inputs(), **p.options()))
+    with pytest.raises(InvalidInputError, match=f"global_num_experts must be at most {MAX_EXPERTS}"):
+        ModularKernel(NoEPPrepareFinalize(), TritonExperts())(*p.inputs(), global_num_experts=MAX_EXPERTS + 1)

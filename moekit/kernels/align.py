@@ -48,6 +48,7 @@ from moekit.validate import (
     check_flag,
     check_ids,
     check_kernel_device,
+    check_num_experts,
     check_numel,
     check_positive_int,
 )
@@ -363,11 +364,11 @@ def check_layout_args(topk_ids, block_m, global_num_experts, expert_map, num_loc
     """The checks of moe_align_block_size (and of the wing's pair blocks)."""
     check_ids(topk_ids, rank=None)
     check_positive_int(block_m, "block_m")
-    check_positive_int(global_num_experts, "global_num_experts")
+    check_num_experts(global_num_experts, "global_num_experts")
     if block_m & (block_m - 1) or block_m > MAX_BLOCK_M:
         raise InvalidInputError(f"block_m must be a power of two <= {MAX_BLOCK_M}, got {block_m}")
     if num_local_experts is not None:
-        check_positive_int(num_local_experts, "num_local_experts")
+        check_num_experts(num_local_experts, "num_local_experts")
         if num_local_experts > global_num_experts:
             raise InvalidInputError(f"num_local_experts={num_local_experts} > global_num_experts={global_num_experts}")
     check_flag(keep_empty, "keep_empty")

@@ -6,15 +6,18 @@ exchange bytes that mean different things on each side, or split sizes that do n
 garbage, or gloo aborting the process. So every dispatch starts with one small, fixed-size
 exchange: each rank's header
 
-    [version, refused, dtype, K, E_global, E_local, topk, quant, mode, capacity, check, map hash]
+    [version, refused, dtype, K, E_global, E_local, topk, quant, mode, capacity, check,
+     has map, map changed, bad map entries]
 
 gathered to every rank. Every rank compares all headers and, on any difference, raises the same
 named error naming which rank disagrees about what. ``refused`` is non-zero when the rank's own
 inputs were rejected at the door (:meth:`Agreement.refuse`): the others then raise too, instead
-of waiting for a rank that will never dispatch. When the tuple of placement hashes is new, the
-ranks also gather their expert maps and check that every expert has exactly one owner; the
-agreed :class:`Placement` is cached for that tuple. All ranks see the same headers, so they
-always take the same branch: nobody is left waiting in a collective the others skipped.
+of waiting for a rank that will never dispatch. The map's own columns are computed on the device
+(no host read but the header's): whether its values changed since this rank last agreed, and how
+many entries are neither -1 nor a local id (then every rank raises InvalidIdsError). When any
+rank's map changed, the ranks gather their expert maps again and check that every expert has
+exactly one owner. All ranks see the same headers, so they always take the same branch: nobody
+is left waiting in a collective the others skipped.
 
 Every exchange waits at most ``timeout_s`` (then :class:`~moekit.errors.DistributedError`).
 ``topk_ids`` need not agree in dtype: ids travel as int32 whatever each caller passed.
@@ -23,22 +26,21 @@ Every exchange waits at most ``timeout_s`` (then :class:`~moekit.errors.Distribu
 from __future__ import annotations
 
 import datetime
-import zlib
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from moekit import errors
-from moekit.errors import DistributedError, InvalidInputError
+from moekit.errors import DistributedError, InvalidIdsError, InvalidInputError
 from moekit.types import ExpertPlacement, QuantScheme
 
-_VERSION = 2
+_VERSION = 3
 WIRE_IDS = torch.int32  # the dtype expert ids travel in (E_global must fit)
 _DTYPES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4}
 _QUANT = {QuantScheme.NONE: 0, QuantScheme.FP8_BLOCK: 1}
 _MODES, _CHECKS = ("exact", "capacity"), ("sync", "deferred")
-REFUSED, E_LOCAL, MAP_HASH = 1, 5, 11  # columns that are per rank, not compared
+REFUSED, E_LOCAL, HAS_MAP, CHANGED, BAD_MAP = 1, 5, 11, 12, 13  # columns that are per rank, not compared
 # The compared columns and what to call them in a message.
 _AGREED = {0: "header version", 2: "hidden dtype", 3: "K", 4: "global_num_experts", 6: "topk", 7: "quant scheme",
            8: "dispatch mode", 9: "max_tokens_per_rank", 10: "capacity check"}  # fmt: skip
@@ -121,16 +123,23 @@ def wait(work, *, timeout_s: float | None, what: str, group) -> None:
         ) from e
 
 
-def _map_hash(placement: ExpertPlacement) -> int:
+def bad_map_entries(placement: ExpertPlacement) -> int | torch.Tensor:
+    """Entries of this rank's map that are neither -1 nor a local id: 0 without a map, else an int64
+    scalar on the map's device (counted there: no host sync)."""
     emap = placement.expert_map
     if emap is None:
         return 0
-    data = emap.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()
-    return (zlib.crc32(data) & 0x7FFFFFFF) or 1  # 0 means "no map"
+    return ((emap != -1) & ((emap < 0) | (emap >= placement.num_local_experts))).sum().long()
 
 
 class Agreement:
     """Checks one stage's calls against the other ranks' (one per All2AllPrepareFinalize).
+
+    The agreed :class:`Placement` is kept with a private copy of the map this rank agreed with
+    (the caller's tensor is the caller's: it may be rewritten in place, by a numpy view or
+    ``.data`` without a version bump, or be a new tensor at a freed one's address). Every call
+    compares the map with that copy on the device and sends the answer in its header, so the
+    ranks agree again whenever any rank's map changed, with no host read beyond the header's.
 
     Args:
         group: the process group; ``timeout_s``: the longest wait of each exchange (None: the
@@ -139,30 +148,36 @@ class Agreement:
 
     def __init__(self, group, *, timeout_s: float | None = None, dispatch: Dispatch = Dispatch()):
         self.group, self.timeout_s, self.dispatch = group, timeout_s, dispatch
-        self._hash_seen: tuple | None = None  # (map identity) -> hash, to avoid a host read per call
-        self._hash = 0
-        self._placements: dict[tuple[int, ...], Placement] = {}
+        self._placement: Placement | None = None
+        self._agreed_with: tuple | None = None  # (E_global, E_local, copy of this rank's map or None)
 
-    def local_hash(self, placement: ExpertPlacement) -> int:
-        """A hash of this rank's expert map (recomputed only when the map tensor changes); 0: no map."""
-        emap = placement.expert_map
-        seen = None if emap is None else (emap.data_ptr(), emap._version, emap.numel(), str(emap.device))
-        if seen != self._hash_seen or emap is None:
-            self._hash, self._hash_seen = _map_hash(placement), seen
-        return self._hash
+    def changed(self, placement: ExpertPlacement) -> int | torch.Tensor:
+        """1 when this rank's placement is not the one it last agreed with, else 0: an int, or an int64
+        scalar on the map's device (compared there: no host sync)."""
+        agreed, emap = self._agreed_with, placement.expert_map
+        if agreed is None or agreed[:2] != (placement.global_num_experts, placement.num_local_experts):
+            return 1
+        if emap is None or agreed[2] is None:
+            return int((emap is None) != (agreed[2] is None))
+        if agreed[2].device != emap.device:
+            return 1
+        return (emap.reshape(-1).long() != agreed[2]).any().long()
 
-    def _header(self, refused: int, fields: list[int], device) -> list[list[int]]:
+    def _header(self, refused: int, fields: list, device) -> list[list[int]]:
         d = self.dispatch
         dispatch = [_MODES.index(d.mode), d.capacity or 0, _CHECKS.index(d.check)]
-        mine = [_VERSION, refused, *fields[:6], *dispatch, fields[6]]
+        per_rank = fields[6:] if fields[6:] else [0, 0, 0]  # has map, changed, bad map entries
+        mine = torch.tensor([_VERSION, refused, *fields[:6], *dispatch, 0, 0, 0], dtype=torch.int64, device=device)
+        for column, value in zip((HAS_MAP, CHANGED, BAD_MAP), per_rank, strict=True):
+            mine[column] = value  # a device scalar is copied there: still no host read
         world = dist.get_world_size(self.group)
-        headers = self._gather(torch.tensor(mine, dtype=torch.int64, device=device), world, "the agreement header")
+        headers = self._gather(mine, world, "the agreement header")
         return headers.cpu().tolist()  # the host sync of this check
 
     def refuse(self, error: BaseException, device) -> None:
         """Join the header exchange saying "my inputs were rejected" (with ``error``'s class), so
         that the other ranks' :meth:`check` raises instead of waiting for this rank."""
-        self._header(refusal_code(error), [0] * 7, device)
+        self._header(refusal_code(error), [0] * 6, device)
 
     def check(self, hidden: torch.Tensor, topk: int, quant: QuantScheme, placement: ExpertPlacement) -> Placement:
         """Exchange headers, raise on any disagreement (or a peer's refusal), return the agreed placement."""
@@ -174,7 +189,9 @@ class Agreement:
             placement.num_local_experts,
             topk,
             _QUANT[quant],
-            self.local_hash(placement),
+            int(placement.expert_map is not None),
+            self.changed(placement),
+            bad_map_entries(placement),
         ]
         rows = self._header(0, fields, hidden.device)
         refused = {r: row[REFUSED] for r, row in enumerate(rows) if row[REFUSED]}
@@ -187,16 +204,25 @@ class Agreement:
         E = placement.global_num_experts
         if E > torch.iinfo(WIRE_IDS).max:  # the same E on every rank: every rank raises
             raise InvalidInputError(f"global_num_experts={E} does not fit the int32 ids of the all-to-all")
-        unmapped = [r for r, row in enumerate(rows) if row[MAP_HASH] == 0]
+        bad_maps = {r: row[BAD_MAP] for r, row in enumerate(rows) if row[BAD_MAP]}
+        if bad_maps:
+            raise InvalidIdsError(
+                f"expert_map entries must be -1 (another rank's expert) or a local id in [0, E_local) of their "
+                f"rank; rank(s) {sorted(bad_maps)} passed {bad_maps} other entries (seen from rank {rank})"
+            )
+        unmapped = [r for r, row in enumerate(rows) if row[HAS_MAP] == 0]
         if world > 1 and unmapped:
             raise InvalidInputError(
                 f"rank(s) {unmapped} of {world} got no expert_map (seen from rank {rank}); on every rank r pass "
                 f"expert_map=moekit.routing.contiguous_expert_map({E}, {world}, r)"
             )
-        key = tuple(row[MAP_HASH] for row in rows) + tuple(row[E_LOCAL] for row in rows)
-        if key not in self._placements:
-            self._placements[key] = self._gather_placement(placement, rows, world, hidden.device)
-        return self._placements[key]
+        if self._placement is None or any(row[CHANGED] for row in rows):  # every rank sees the same rows
+            self._placement, self._agreed_with = None, None
+            self._placement = self._gather_placement(placement, rows, world, hidden.device)
+            emap = placement.expert_map
+            copy = None if emap is None else emap.detach().reshape(-1).to(torch.int64, copy=True)
+            self._agreed_with = (placement.global_num_experts, placement.num_local_experts, copy)
+        return self._placement
 
     def _gather_placement(self, placement: ExpertPlacement, rows, world: int, device) -> Placement:
         E = placement.global_num_experts

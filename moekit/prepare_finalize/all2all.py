@@ -37,7 +37,7 @@ import torch.distributed as dist
 from moekit.distributed.process_group import check_timeout
 from moekit.errors import CapacityError, DistributedError, InvalidIdsError, InvalidInputError
 from moekit.prepare_finalize import capacity
-from moekit.prepare_finalize.agreement import WIRE_IDS, Agreement, Dispatch, refusal_code, wait
+from moekit.prepare_finalize.agreement import WIRE_IDS, Agreement, Dispatch, bad_map_entries, refusal_code, wait
 from moekit.prepare_finalize.base import PrepareFinalize, quantize_activations, weight_and_reduce
 from moekit.types import ActivationFormat, ExpertPlacement, ExpertTokensMetadata, Prepared, QuantScheme
 
@@ -262,7 +262,6 @@ class All2AllPrepareFinalize(PrepareFinalize):
             placement.num_local_experts,
             topk,
             quant,
-            self._agreement.local_hash(placement),
             self.max_tokens_per_rank,
             self.check,
         )
@@ -283,13 +282,14 @@ class All2AllPrepareFinalize(PrepareFinalize):
             zeros = torch.zeros((send[0].shape[0], layer.K), dtype=torch.float32, device=device)
             self._wait(self._exchange(torch.empty_like(zeros), zeros, None, None, "partial sums (combine)"))
 
-    def _prepare_capacity(self, hidden, topk_weights, topk_ids, quant, placement, world) -> Prepared:
+    def _prepare_capacity(self, hidden, topk_weights, topk_ids, quant, placement, world, *, again=True) -> Prepared:
         C, (M, topk) = self.max_tokens_per_rank, topk_ids.shape
         agreed = self._agree_capacity(hidden, topk, quant, placement)
         a1q, a1q_scale = quantize_activations(hidden, quant)
         wire = a1q.view(torch.uint8) if a1q.dtype == torch.float8_e4m3fn else a1q  # fp8 travels as bytes
+        map_flags = (self._agreement.changed(placement), bad_map_entries(placement))
         rows, scales, ids, weights, flags, slot = capacity.pack(
-            wire, a1q_scale, topk_ids, topk_weights, placement, agreed, C, world
+            wire, a1q_scale, topk_ids, topk_weights, placement, agreed, C, world, map_flags=map_flags
         )
         recv = [torch.empty_like(t) for t in (rows, ids, weights, flags)]
         pending = [
@@ -304,7 +304,16 @@ class All2AllPrepareFinalize(PrepareFinalize):
             pending.append(self._exchange(recv_scales, scales, None, None, "scales"))
         self._wait(*pending)
         if self.check == "sync":  # the one read of this mode
-            capacity.raise_for(recv[3], C, placement.global_num_experts, rank=dist.get_rank(self.group))
+            flags = recv[3].cpu()
+            capacity.raise_for(flags, C, placement.global_num_experts, rank=dist.get_rank(self.group))
+            changed = capacity.map_changed(flags)
+            if changed and again:  # every rank read the same flags: all agree again, then send again
+                self._agreed = None
+                return self._prepare_capacity(hidden, topk_weights, topk_ids, quant, placement, world, again=False)
+            if changed:
+                raise InvalidInputError(
+                    f"rank(s) {changed} changed their expert_map during this call, after the ranks agreed again"
+                )
         from moekit.kernels.count import count_expert_num_tokens
 
         counts = count_expert_num_tokens(recv[1], placement.num_local_experts, placement.expert_map)
@@ -339,7 +348,16 @@ class All2AllPrepareFinalize(PrepareFinalize):
         """After a ``check="deferred"`` step: raise what the last dispatch's flags say (a host sync)."""
         h = self.last_handle
         if isinstance(h, capacity.CapacityHandle):
-            capacity.raise_for(h.flags, h.C, h.placement.global_num_experts, rank=dist.get_rank(self.group))
+            flags, rank = h.flags.cpu(), dist.get_rank(self.group)
+            capacity.raise_for(flags, h.C, h.placement.global_num_experts, rank=rank)
+            changed = capacity.map_changed(flags)
+            if changed:  # every rank reads the same flags: each agrees again at its next call
+                self._agreed = None
+                raise InvalidInputError(
+                    f"rank(s) {changed} sent with an expert_map other than the one the ranks agreed on (changed "
+                    f"since, seen from rank {rank}): that step's tokens followed the old placement. The next "
+                    "call agrees on the new one."
+                )
 
     def finalize(self, fused_out: torch.Tensor, prepared: Prepared, *, output: torch.Tensor) -> torch.Tensor:
         if isinstance(prepared.handle, capacity.CapacityHandle):

@@ -20,13 +20,17 @@ Compared with ``mode="exact"`` (sizes first, then exactly the rows): no host syn
 per (token, rank) instead of one per (token, slot), but every rank computes W * C rows' worth of
 ids and moves W * C rows whatever M is; exact wins when M is far below C, or for one-off calls.
 
-Errors that cannot be seen without a sync (another rank's M beyond C, or its ids beyond E) travel
-as flags with the data. ``check="sync"`` (the default) reads them once, after the exchange and
-before the experts run, and raises CapacityError / InvalidIdsError on every rank, nothing
-written to the caller's tensors; ``check="deferred"`` reads nothing, so the step can be captured,
-and :meth:`All2AllPrepareFinalize.raise_if_failed` raises afterwards. A rank whose own M is
-beyond C knows it on the host: it still joins every collective (sending its first C tokens) and
-raises CapacityError in finalize, without writing the output. A rank whose inputs the modular
+Errors that cannot be seen without a sync (another rank's M beyond C, its ids beyond E, its map's
+entries out of range) travel as flags with the data, and so does each rank's word on whether its
+expert map still holds the values the ranks agreed on (compared on the device with the agreement's
+own copy). ``check="sync"`` (the default) reads the flags once, after the exchange and before the
+experts run, and raises CapacityError / InvalidIdsError on every rank, nothing written to the
+caller's tensors; a changed map makes every rank agree again and send again, in the same call.
+``check="deferred"`` reads nothing, so the step can be captured, and
+:meth:`All2AllPrepareFinalize.raise_if_failed` raises afterwards (a changed map included: the next
+call agrees again). A rank whose own M is beyond C knows it on the host: it still joins every
+collective (sending its first C tokens) and raises CapacityError in finalize, without writing the
+output. A rank whose inputs the modular
 kernel's door rejected after the first call sends empty blocks flagged "refused"
 (:func:`refused_blocks`), so that the peers raise its error class instead of waiting for it.
 """
@@ -41,8 +45,10 @@ from moekit.errors import CapacityError, InvalidIdsError
 from moekit.prepare_finalize.agreement import WIRE_IDS, refusal_error
 from moekit.types import QuantScheme
 
-OVERFLOW, BAD_IDS, REFUSED = 0, 1, 2  # columns of the flag rows (REFUSED holds a refusal code)
-FLAGS = 3
+# Columns of the flag rows: REFUSED holds a refusal code, CHANGED says the sender's map is not the
+# agreed one, BAD_MAP counts its entries that are neither -1 nor a local id.
+OVERFLOW, BAD_IDS, REFUSED, CHANGED, BAD_MAP = 0, 1, 2, 3, 4
+FLAGS = 5
 
 
 @dataclass(frozen=True)
@@ -56,7 +62,6 @@ class Layer:
     E_local: int
     topk: int
     quant: QuantScheme
-    map_hash: int
     C: int
     check: str
 
@@ -68,7 +73,7 @@ class CapacityHandle:
     slot: torch.Tensor  # int64 [W, M]: row of token m in block d, or C (not sent there)
     M: int
     C: int
-    flags: torch.Tensor  # int64 [W, FLAGS] received: each source's (overflow, bad ids, refused)
+    flags: torch.Tensor  # int64 [W, FLAGS] received: each source's row (the columns above)
     recv_ids: torch.Tensor  # [W * C, topk] received global ids (-1: not here)
     recv_weights: torch.Tensor  # fp32 [W * C, topk]: the router weights of those slots
     placement: object  # the ExpertPlacement of this rank
@@ -91,8 +96,9 @@ class CapacityHandle:
         return torch.stack([count_reference(per[s], p.num_local_experts, emap).long() for s in range(W)])
 
 
-def pack(hidden_wire, scale, topk_ids, topk_weights, placement, agreed, C: int, world: int):
-    """Send buffers of this rank: rows [W*C, K], scales or None, ids [W*C, topk], weights, flags."""
+def pack(hidden_wire, scale, topk_ids, topk_weights, placement, agreed, C: int, world: int, *, map_flags=(0, 0)):
+    """Send buffers of this rank: rows [W*C, K], scales or None, ids [W*C, topk], weights, flags;
+    ``map_flags``: (map changed, bad map entries), ints or device scalars, copied into the flags."""
     M, topk = topk_ids.shape
     E = placement.global_num_experts
     device = topk_ids.device
@@ -118,6 +124,7 @@ def pack(hidden_wire, scale, topk_ids, topk_weights, placement, agreed, C: int, 
     flags = torch.zeros(world, FLAGS, dtype=torch.int64, device=device)
     flags[:, OVERFLOW] = int(M > C)
     flags[:, BAD_IDS] = ((ids < -1) | (ids >= E)).any().long()
+    flags[:, CHANGED], flags[:, BAD_MAP] = map_flags
     return rows, scales, block(slot_ids, -1, (topk,)), block(weights, 0.0, (topk,)), flags, row
 
 
@@ -137,12 +144,24 @@ def refused_blocks(layer: Layer, world: int, code: int, device):
     return rows, ids, weights, flags, scales
 
 
+def map_changed(flags: torch.Tensor) -> list[int]:
+    """The ranks whose map was not the agreed one when they sent (``flags`` read on the host)."""
+    return flags[:, CHANGED].nonzero().flatten().tolist()
+
+
 def raise_for(flags: torch.Tensor, C: int, E: int, *, rank: int) -> None:
-    """Raise on every rank (this is ``rank``) for what the flag rows say (reads them: a host sync)."""
+    """Raise on every rank (this is ``rank``) for what the flag rows say (read on the host: a sync);
+    a changed map is left to the caller (:func:`map_changed`), unless another error comes first."""
     f = flags.cpu()
     refused = {r: int(f[r, REFUSED]) for r in f[:, REFUSED].nonzero().flatten().tolist()}
     if refused:
         raise refusal_error(refused, rank)
+    bad_maps = f[:, BAD_MAP].nonzero().flatten().tolist()
+    if bad_maps:
+        raise InvalidIdsError(
+            f"expert_map entries must be -1 (another rank's expert) or a local id in [0, E_local) of their rank; "
+            f"rank(s) {bad_maps} passed others (seen from rank {rank})"
+        )
     over = f[:, OVERFLOW].nonzero().flatten().tolist()
     if over:
         raise CapacityError(

@@ -266,3 +266,15 @@ def test_an_id_equal_to_E_never_reads_the_map(device, keep_empty):
     used = int(blocks.num_tokens_post_padded)
     local_blocks = [int(e) for e in blocks.expert_ids[: used // 16] if int(e) >= 0]
     assert local_blocks == [1]  # only pair 0 lands on a local expert
+
+
+def test_the_documented_maximum_of_experts_aligns_and_one_more_is_named(device):
+    from moekit.validate import MAX_EXPERTS
+
+    topk_ids = torch.randint(-1, MAX_EXPERTS, (96, 4), device=device, dtype=torch.int32)
+    topk_ids[0, 0] = MAX_EXPERTS - 1
+    emap = contiguous_expert_map(MAX_EXPERTS, 2, 1, device=device)
+    out = moe_align_block_size(topk_ids, 16, MAX_EXPERTS, emap, num_local_experts=MAX_EXPERTS // 2)
+    check_against_spec(out, topk_ids, 16, MAX_EXPERTS, emap, num_local=MAX_EXPERTS // 2)
+    with expect_raises(InvalidInputError, match=f"global_num_experts must be at most {MAX_EXPERTS}"):
+        moe_align_block_size(topk_ids, 16, MAX_EXPERTS + 1)

@@ -297,3 +297,17 @@ def test_cpu_ids_rejected_when_compiling():
 def test_an_absurd_number_of_local_experts_is_named_before_anything_is_allocated(device):
     with expect_raises(InvalidInputError, match="num_local_experts must be at most"):
         moekit.count_expert_num_tokens(torch.tensor([[0, 1]], dtype=torch.int32, device=device), 2**40)
+
+
+@pytest.mark.parametrize("method", ["histogram", "scan"])
+def test_the_documented_maximum_of_experts_is_counted_and_one_more_is_named(method, device):
+    # Before: E >= 2**20 passed the door and Triton raised "numel exceeds triton maximum tensor numel".
+    from moekit.validate import MAX_EXPERTS
+
+    ids = torch.randint(-1, MAX_EXPERTS, (64, 4), dtype=torch.int32, device=device)
+    ids[0, 0] = MAX_EXPERTS - 1  # the last expert is used
+    check(ids, MAX_EXPERTS, method=method)
+    emap = maps(MAX_EXPERTS, 4, device)[3]
+    check(ids, MAX_EXPERTS // 4, emap, method=method)
+    with expect_raises(InvalidInputError, match=f"num_local_experts must be at most {MAX_EXPERTS}"):
+        count_expert_num_tokens(ids, MAX_EXPERTS + 1, method=method)

@@ -76,7 +76,8 @@ def disagreements(rank: int, world: int) -> dict:
         "topk": dict(topk=3 if rank else 2),
         "quant": dict(quant=FP8_BLOCK if rank else NONE),
         "two owners": dict(placement=ExpertPlacement(8, 4, contiguous_expert_map(8, 2, 0))),
-        "local ids": dict(placement=ExpertPlacement(8, 4, contiguous_expert_map(8, 2, rank) * (1 + rank))),
+        "local ids": dict(placement=ExpertPlacement(8, 4, contiguous_expert_map(8, 2, rank) // (1 + rank))),
+        "bad entries": dict(placement=ExpertPlacement(8, 4, contiguous_expert_map(8, 2, rank) * (1 + rank))),
         "no map": dict(placement=ExpertPlacement(8, 4, None)),
     }
     dispatches = {  # stages built differently on rank 1
@@ -109,7 +110,9 @@ def test_ranks_that_disagree_all_raise_a_named_error():
         assert "topk: rank(s) [1] have 3 where the others have 2" in got["topk"], got["topk"]
         assert "quant scheme: rank(s) [1]" in got["quant"], got["quant"]
         assert "experts [0, 1, 2, 3, 4, 5, 6, 7] have [2, 2, 2, 2, 0, 0, 0, 0] owners" in got["two owners"]
-        assert "rank 1's map gives local ids [0, 2, 4, 6] for its 4 experts" in got["local ids"], got["local ids"]
+        assert "rank 1's map gives local ids [0, 0, 1, 1] for its 4 experts" in got["local ids"], got["local ids"]
+        # Entries out of [-1, E_local) (-2 four times, 4 and 6) are counted on the device, named in the header round.
+        assert f"rank(s) [1] passed {{1: 6}} other entries (seen from rank {rank})" in got["bad entries"]
         assert f"rank(s) [0, 1] of 2 got no expert_map (seen from rank {rank})" in got["no map"], got["no map"]
         # Before: the rank without a map raised alone, and the other waited in the map gather.
         assert "rank(s) [1] of 2 got no expert_map" in got["no map on rank 1"], got["no map on rank 1"]
