@@ -11,7 +11,7 @@ EXTRAS ?= notebooks,dev,hf
 STAMP := $(VENV)/.moekit-installed
 ARGS ?=
 
-.PHONY: venv test test-fast test-lowest lint walkthrough lab bench info clean strip
+.PHONY: venv test test-fast test-lowest lint walkthrough lab bench info clean strip mutation
 
 venv: $(STAMP)
 
@@ -61,6 +61,10 @@ $(LOWEST_STAMP): pyproject.toml requirements/pins-lowest.txt Makefile
 
 test-lowest: $(LOWEST_STAMP)
 	$(LOWEST_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "$(LOWEST_MARKERS)" $(LOWEST_TESTS) $(ARGS)
+
+# A mutation run over the core (tools/mutation.py): about 15 minutes on 2 cores, not part of `make test`.
+mutation: venv
+	$(PY) -m tools.mutation $(ARGS)
 
 walkthrough: venv
 	$(PY) -m moekit.cli walkthrough $(ARGS)
