@@ -29,13 +29,8 @@ def declared_parameters(notebook: Path) -> dict[str, object]:
     for cell in nb["cells"]:
         if "parameters" in cell.get("metadata", {}).get("tags", []):
             src = cell["source"] if isinstance(cell["source"], str) else "".join(cell["source"])
-            found = {}
-            for node in ast.parse(src).body:
-                if isinstance(node, ast.Assign):
-                    for target in node.targets:
-                        if isinstance(target, ast.Name):
-                            found[target.id] = ast.literal_eval(node.value)
-            return found
+            assigns = [node for node in ast.parse(src).body if isinstance(node, ast.Assign)]
+            return {t.id: ast.literal_eval(a.value) for a in assigns for t in a.targets if isinstance(t, ast.Name)}
     return {}
 
 

@@ -11,7 +11,7 @@ import base64
 import html
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 FIGURE_TAG = "figure:"
@@ -95,9 +95,8 @@ def write_index(results: list[Result], out_dir: Path, *, title: str = "moekit wa
     esc = html.escape
     ran_on = "<pre>" + esc("\n".join(collect_info().lines())) + "</pre>"
     rows = "".join(
-        f"<tr><td><a href='{esc(r.name)}.html'>{esc(r.name)}</a> "
-        f"(<a href='{esc(r.name)}.ipynb'>ipynb</a>)</td>"
-        f"<td>{r.seconds:.1f}</td><td class='{'ok' if r.status == 'ok' else 'bad'}'>{esc(r.status)}</td>"
+        f"<tr><td><a href='{esc(r.name)}.html'>{esc(r.name)}</a> (<a href='{esc(r.name)}.ipynb'>ipynb</a>)</td>"
+        f"<td>{r.seconds:.1f}</td><td class='{_status_class(r.status)}'>{esc(r.status)}</td>"
         f"<td><code>{esc(json.dumps(r.parameters))}</code></td><td>{esc(r.error)}</td></tr>"
         for r in results
     )
@@ -106,12 +105,19 @@ def write_index(results: list[Result], out_dir: Path, *, title: str = "moekit wa
         for r in results
         for f in r.figures
     )
-    page = (
-        f"<!doctype html><html><head><meta charset='utf-8'><title>{esc(title)}</title>{_STYLE}</head><body>"
-        f"<h1>{esc(title)}</h1>{ran_on}<table><tr><th>notebook</th><th>seconds</th><th>status</th><th>parameters</th><th>error</th></tr>"
-        f"{rows}</table><h2>Figures</h2>{figs}</body></html>"
-    )
-    index = out_dir / "index.html"
+    head = "<tr><th>notebook</th><th>seconds</th><th>status</th><th>parameters</th><th>error</th></tr>"
+    return _write_page(out_dir, title, f"{ran_on}<table>{head}{rows}</table><h2>Figures</h2>{figs}")
+
+
+def _status_class(status: str) -> str:
+    return "ok" if status == "ok" else "bad"
+
+
+def _write_page(folder: Path, title: str, body: str) -> Path:
+    """``folder/index.html``: a page of ``title`` (its heading too) around ``body``; returns its path."""
+    head = f"<meta charset='utf-8'><title>{html.escape(title)}</title>{_STYLE}"
+    page = f"<!doctype html><html><head>{head}</head><body><h1>{html.escape(title)}</h1>{body}</body></html>"
+    index = folder / "index.html"
     index.write_text(page, encoding="utf-8")
     return index
 
@@ -158,10 +164,7 @@ def record_run(run_dir: Path, results: list[Result]) -> None:
     files = [
         p.relative_to(run_dir).as_posix() for p in sorted(run_dir.rglob("*")) if p.is_file() and p.name != RUN_MARKER
     ]
-    notebooks = [
-        {"name": r.name, "status": r.status, "seconds": round(r.seconds, 1), "parameters": r.parameters}
-        for r in results
-    ]
+    notebooks = [asdict(r) for r in results]
     (run_dir / RUN_MARKER).write_text(json.dumps({"files": files, "notebooks": notebooks, "time": time.time()}))
 
 
@@ -176,15 +179,8 @@ def write_runs_index(out_dir: Path) -> Path:
             continue
     for info, name in sorted(runs, key=lambda r: -r[0].get("time", 0)):
         cells = ", ".join(
-            f"<span class='{'ok' if n['status'] == 'ok' else 'bad'}'>{esc(n['name'])}</span>"
-            for n in info.get("notebooks", [])
+            f"<span class='{_status_class(n['status'])}'>{esc(n['name'])}</span>" for n in info.get("notebooks", [])
         )
         rows.append(f"<tr><td><a href='runs/{esc(name)}/index.html'>{esc(name)}</a></td><td>{cells}</td></tr>")
-    page = (
-        f"<!doctype html><html><head><meta charset='utf-8'><title>moekit walkthrough runs</title>{_STYLE}</head>"
-        f"<body><h1>moekit walkthrough runs</h1><table><tr><th>run</th><th>notebooks</th></tr>{''.join(rows)}"
-        "</table></body></html>"
-    )
-    index = out_dir / "index.html"
-    index.write_text(page, encoding="utf-8")
-    return index
+    table = f"<table><tr><th>run</th><th>notebooks</th></tr>{''.join(rows)}</table>"
+    return _write_page(out_dir, "moekit walkthrough runs", table)

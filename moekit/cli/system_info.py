@@ -19,15 +19,10 @@ class Info:
     deep_gemm_reason: str
 
     def lines(self) -> list[str]:
-        dg = "usable" if self.deep_gemm_usable else f"not usable ({self.deep_gemm_reason})"
-        return [
-            f"torch       {self.torch}",
-            f"triton      {self.triton}",
-            f"numpy       {self.numpy}",
-            f"device      {self.device}",
-            f"interpreter {'on (TRITON_INTERPRET=1)' if self.interpreter else 'off'}",
-            f"deep_gemm   {dg}",
-        ]
+        values = dict(torch=self.torch, triton=self.triton, numpy=self.numpy, device=self.device)
+        values["interpreter"] = "on (TRITON_INTERPRET=1)" if self.interpreter else "off"
+        values["deep_gemm"] = "usable" if self.deep_gemm_usable else f"not usable ({self.deep_gemm_reason})"
+        return [f"{name:<11} {value}" for name, value in values.items()]
 
 
 def collect_info() -> Info:

@@ -30,6 +30,7 @@ re-exported here.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 import sys
@@ -105,6 +106,10 @@ def _positive(text: str) -> int:
     return value
 
 
+class _Refused(Exception):
+    """A command line the walkthrough refuses before any notebook runs (exit status 2)."""
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the walkthrough; returns the exit status (0 when every notebook passed)."""
     from tqdm import tqdm
@@ -116,50 +121,37 @@ def main(argv: list[str] | None = None) -> int:
     root = repo_root()
     nb_dir = (args.notebooks or root / "notebooks").resolve()
     out_dir = (args.out or root / "build" / "walkthrough").resolve()
-    if nb_dir == out_dir or nb_dir.is_relative_to(out_dir):
-        print(
-            f"moekit walkthrough: --out {out_dir} is or holds the notebooks' folder ({nb_dir}); the executed "
-            "copies would overwrite the notebooks. Choose a folder outside it (default: build/walkthrough).",
-            file=sys.stderr,
-        )
-        return 2
-    every = sorted(nb_dir.glob("[0-9][0-9]_*.ipynb"))
-    if not every:
-        print(f"moekit walkthrough: no notebooks found in {nb_dir}", file=sys.stderr)
-        return 2
-    notebooks = every
-    if args.only:
-        notebooks = [n for n in every if any(n.stem.startswith(o) for o in args.only)]
-        unmatched = [o for o in args.only if not any(n.stem.startswith(o) for n in every)]
-        if unmatched or not notebooks:
-            names = ", ".join(n.stem for n in every)
-            print(
-                f"moekit walkthrough: no notebook matches {', '.join(map(repr, unmatched or args.only))}; "
-                f"the notebooks are: {names}",
-                file=sys.stderr,
-            )
-            return 2
-    global_params = {k: parse_value(v) for k, v in args.parameter}
-    scoped = scoped_overrides(args.overrides)
-    for scope, key, _ in scoped:
-        if not any(n.stem == scope or n.stem.split("_")[0] == scope for n in notebooks):
-            print(
-                f"moekit walkthrough: {scope}:{key}=... names no notebook of this run "
-                f"({', '.join(n.stem for n in notebooks)})",
-                file=sys.stderr,
-            )
-            return 2
-    plans = [(n, parameters_for(n, declared_parameters(n), global_params, scoped)) for n in notebooks]
-    # Each run has a folder of its own under out_dir/runs/, named by what it ran: another run (other
-    # notebooks, other parameters) never replaces it, and out_dir/index.html lists them all.
-    names = [n.stem for n in notebooks]
-    run_dir = out_dir / "runs" / run_name(names, {n.stem: p for n, p in plans}, every=notebooks == every)
     try:
+        if nb_dir == out_dir or nb_dir.is_relative_to(out_dir):
+            raise _Refused(
+                f"--out {out_dir} is or holds the notebooks' folder ({nb_dir}); the executed copies would "
+                "overwrite the notebooks. Choose a folder outside it (default: build/walkthrough)."
+            )
+        every = sorted(nb_dir.glob("[0-9][0-9]_*.ipynb"))
+        if not every:
+            raise _Refused(f"no notebooks found in {nb_dir}")
+        notebooks = [n for n in every if not args.only or any(n.stem.startswith(o) for o in args.only)]
+        unmatched = [o for o in args.only or () if not any(n.stem.startswith(o) for n in every)]
+        if unmatched:
+            names = ", ".join(n.stem for n in every)
+            raise _Refused(f"no notebook matches {', '.join(map(repr, unmatched))}; the notebooks are: {names}")
+        global_params = {k: parse_value(v) for k, v in args.parameter}
+        scoped = scoped_overrides(args.overrides)
+        for scope, key, _ in scoped:
+            if not any(n.stem == scope or n.stem.split("_")[0] == scope for n in notebooks):
+                names = ", ".join(n.stem for n in notebooks)
+                raise _Refused(f"{scope}:{key}=... names no notebook of this run ({names})")
+        plans = [(n, parameters_for(n, declared_parameters(n), global_params, scoped)) for n in notebooks]
+        # Each run has a folder of its own under out_dir/runs/, named by what it ran: another run (other
+        # notebooks, other parameters) never replaces it, and out_dir/index.html lists them all.
+        given = {n.stem: p for n, p in plans}
+        run_dir = out_dir / "runs" / run_name([n.stem for n in notebooks], given, every=notebooks == every)
         claim_run_folder(run_dir)
-    except FileExistsError as error:
+    except (_Refused, FileExistsError) as error:
         print(f"moekit walkthrough: {error}", file=sys.stderr)
         return 2
-    kernel, start = use_moekit_kernel(), time.perf_counter()
+    run = functools.partial(run_one, kernel=use_moekit_kernel(), timeout=args.timeout, html_report=not args.no_html)
+    start = time.perf_counter()
     results: list[Result | None] = [None] * len(plans)
     # Each notebook runs in a kernel process of its own: threads here only wait on them. The
     # table and the index keep the notebooks' order, whichever finishes first.
@@ -167,12 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         ThreadPoolExecutor(max_workers=args.jobs) as pool,
         tqdm(total=len(plans), unit="notebook", file=sys.stderr, dynamic_ncols=True) as bar,
     ):
-        futures = {
-            pool.submit(
-                run_one, notebook, run_dir, params, kernel=kernel, timeout=args.timeout, html_report=not args.no_html
-            ): i
-            for i, (notebook, params) in enumerate(plans)
-        }
+        futures = {pool.submit(run, notebook, run_dir, params): i for i, (notebook, params) in enumerate(plans)}
         for done in as_completed(futures):
             r = results[futures[done]] = done.result()
             bar.update(1)

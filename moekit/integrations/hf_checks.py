@@ -17,17 +17,17 @@ import torch
 
 from moekit.errors import InvalidIdsError, UnsupportedModelError
 
-
-def bad_routing_ids(top_k_index: torch.Tensor, E: int) -> torch.Tensor:
-    """Where ``top_k_index`` holds neither an expert id in ``[0, E)`` nor an empty slot: transformers'
-    marker ``E`` (``RouterParallel``), or moekit's -1. A bool tensor; nothing is read back."""
-    return (top_k_index > E) | (top_k_index < -1)
+RUNS = (  # what moekit runs, said to a module it refuses
+    "moekit computes down_proj @ (silu(gate) * up) with gate_up_proj [E, 2I, H] = gate rows then up rows, "
+    "and no biases. Use experts_implementation='eager' or 'grouped_mm' for this model."
+)
 
 
 def check_routing_ids(top_k_index: torch.Tensor, E: int) -> None:
     """Raise InvalidIdsError for an id that is neither an expert of ``[0, E)`` nor an empty slot
-    (``E`` or -1), naming it. Reads the ids back: a host sync on a GPU."""
-    bad = bad_routing_ids(top_k_index, E)
+    (``E``, transformers' marker (``RouterParallel``), or moekit's -1), naming it. Reads the ids
+    back: a host sync on a GPU."""
+    bad = (top_k_index > E) | (top_k_index < -1)
     if bad.any():
         raise InvalidIdsError(
             f"top_k_index must hold expert ids in [0, {E}) or {E} (transformers' empty-slot marker), got "
@@ -37,6 +37,18 @@ def check_routing_ids(top_k_index: torch.Tensor, E: int) -> None:
 
 def check_module(module: torch.nn.Module, *, name: str | None = None) -> None:
     """Raise UnsupportedModelError unless ``module`` computes ``down(silu(gate) * up)`` exactly."""
+    gate_fn = getattr(type(module), "_apply_gate", None)
+    own = gate_fn is not None and gate_fn.__module__ != "transformers.integrations.moe"  # not the default
+    why = f"it has its own gating ({type(module).__name__}._apply_gate, e.g. a clamped SwiGLU)"
+    reasons = gating_problems(module, own_gate=why if own else None)
+    if not reasons:
+        reasons += _weight_problems(module.gate_up_proj, getattr(module, "down_proj", None))
+    refuse(module, reasons, name=name, path="moekit", runs=RUNS)
+
+
+def gating_problems(module: torch.nn.Module, *, own_gate: str | None = None) -> list[str]:
+    """Why ``module`` is not gated SiLU experts without biases, gate rows stacked before up rows (the
+    flags that ``@use_experts_implementation`` records); ``own_gate``: why its gating is its own, if it is."""
     act = getattr(module, "act_fn", None)
     act_name = type(act).__name__ if isinstance(act, torch.nn.Module) else getattr(act, "__name__", repr(act))
     gated = getattr(module, "has_gate", True) and hasattr(module, "gate_up_proj")
@@ -47,20 +59,19 @@ def check_module(module: torch.nn.Module, *, name: str | None = None) -> None:
         reasons.append("its gate_up_proj interleaves gate and up rows (g0, u0, g1, u1, ...)")
     if getattr(module, "is_transposed", False):
         reasons.append("its weights are stored transposed (gate_up_proj [E, H, 2I])")
-    gate_fn = getattr(type(module), "_apply_gate", None)
-    if gate_fn is not None and gate_fn.__module__ != "transformers.integrations.moe":  # not the default
-        reasons.append(f"it has its own gating ({type(module).__name__}._apply_gate, e.g. a clamped SwiGLU)")
+    if own_gate:
+        reasons.append(own_gate)
     elif gated and not is_silu(act):
         reasons.append(f"its activation is {act_name}, not SiLU")
-    if not reasons:
-        reasons += _weight_problems(module.gate_up_proj, getattr(module, "down_proj", None))
+    return reasons
+
+
+def refuse(module: torch.nn.Module, reasons: list[str], *, name: str | None, path: str, runs: str) -> None:
+    """Raise UnsupportedModelError when there are ``reasons``: ``module`` (``name``) cannot run
+    through ``path`` because of each of them; ``runs`` says what that path does run."""
     if reasons:
         where = f"{name} ({type(module).__name__})" if name else type(module).__name__
-        raise UnsupportedModelError(
-            f"{where} cannot run through moekit: " + "; ".join(reasons) + ". moekit computes "
-            "down_proj @ (silu(gate) * up) with gate_up_proj [E, 2I, H] = gate rows then up rows, "
-            "and no biases. Use experts_implementation='eager' or 'grouped_mm' for this model."
-        )
+        raise UnsupportedModelError(f"{where} cannot run through {path}: " + "; ".join(reasons) + f". {runs}")
 
 
 def is_experts(module: torch.nn.Module) -> bool:

@@ -19,10 +19,14 @@ from __future__ import annotations
 import torch
 
 from moekit.errors import OptionalDependencyError, UnsupportedModelError
-from moekit.integrations.hf_checks import check_module, check_routing_ids, is_experts, is_silu
+from moekit.integrations.hf_checks import check_module, check_routing_ids, gating_problems, is_experts, refuse
 from moekit.quant import FP8, FP8_GROUP
 
 BLOCK = (FP8_GROUP, FP8_GROUP)
+FP8_RUNS = (  # what moekit runs, said to an fp8 module it refuses
+    "moekit runs fine-grained fp8 experts: fp8 e4m3 weights, float32 128x128 block scales, dynamic 1x128 "
+    "activation scales, SiLU gating, no biases."
+)
 
 
 def is_fp8_experts(module: torch.nn.Module) -> bool:
@@ -44,23 +48,13 @@ def check_fp8_module(module: torch.nn.Module, *, name: str | None = None) -> Non
         reasons.append(f"its weights are quantized in blocks of {block or 'one scale per tensor'}, not 128 x 128")
     if getattr(module, "activation_scheme", "dynamic") != "dynamic":
         reasons.append("its activations use static scales (activation_scheme='static'); moekit quantizes per token")
-    if not getattr(module, "has_gate", True) or not hasattr(module, "gate_up_proj"):
-        reasons.append("its experts are not gated (no gate_up_proj)")
-    if getattr(module, "has_bias", False):
-        reasons.append("its experts add biases")
-    if getattr(module, "swiglu_alpha", None) is not None or getattr(module, "limit", None) is not None:
-        reasons.append("it clamps or scales its SwiGLU (swiglu_alpha / swiglu_limit)")
-    elif not is_silu(getattr(module, "act_fn", None)):
-        reasons.append(f"its activation is {type(getattr(module, 'act_fn', None)).__name__}, not SiLU")
+    clamped = getattr(module, "swiglu_alpha", None) is not None or getattr(module, "limit", None) is not None
+    reasons += gating_problems(
+        module, own_gate="it clamps or scales its SwiGLU (swiglu_alpha / swiglu_limit)" if clamped else None
+    )
     if not reasons:
         reasons += _fp8_weight_problems(module)
-    if reasons:
-        where = f"{name} ({type(module).__name__})" if name else type(module).__name__
-        raise UnsupportedModelError(
-            f"{where} cannot run through moekit's fp8 path: " + "; ".join(reasons) + ". moekit runs "
-            "fine-grained fp8 experts: fp8 e4m3 weights, float32 128x128 block scales, dynamic 1x128 "
-            "activation scales, SiLU gating, no biases."
-        )
+    refuse(module, reasons, name=name, path="moekit's fp8 path", runs=FP8_RUNS)
 
 
 def _fp8_weight_problems(module) -> list[str]:
@@ -182,13 +176,3 @@ def register_fp8_reference(name: str = "fp8-reference") -> str:
 
 def _not_fp8(module, *args, **kwargs):
     raise UnsupportedModelError(f"{type(module).__name__} is not fp8; 'fp8-reference' runs fp8 experts only")
-
-
-__all__ = [
-    "check_fp8_module",
-    "dequantized_copy_weights",
-    "fp8_reference_forward",
-    "is_fp8_experts",
-    "register_fp8_reference",
-    "to_fp8_experts",
-]

@@ -22,8 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from moekit.hopper.launch import LeanLauncher, int_spec
+from moekit.hopper.launch import run_lean
 from moekit.kernels.host_math import cdiv, next_power_of_2
+from moekit.types import KernelLaunch
 
 _BLOCK = 1024
 
@@ -50,9 +51,6 @@ def _marker_to_moekit_kernel(
     tl.store(out_weights_ptr + offs, tl.where(bad, float("nan"), w), mask=live)
 
 
-_MARKER = LeanLauncher(_marker_to_moekit_kernel)
-
-
 @functools.lru_cache(maxsize=1024)
 def _shape(numel: int) -> tuple[tuple, int]:
     block = min(_BLOCK, max(16, next_power_of_2(numel)))
@@ -70,24 +68,6 @@ def launch_marker_to_moekit(
     if numel == 0:
         return out_ids, out_weights
     grid, block = _shape(numel)
-    key = (
-        ids.dtype,
-        weights.dtype,
-        block,
-        int_spec(E),
-        ids.data_ptr() % 16,
-        weights.data_ptr() % 16,
-        out_ids.data_ptr() % 16,
-        out_weights.data_ptr() % 16,
-    )
-    _MARKER(
-        grid,
-        (ids, weights, out_ids, out_weights, numel, E),
-        key=key,
-        constexprs=lambda: dict(BLOCK=block),
-        stream=stream,
-    )
+    args = (ids, weights, out_ids, out_weights, numel, E)
+    run_lean(KernelLaunch(_marker_to_moekit_kernel, grid, args, dict(BLOCK=block)), stream=stream)
     return out_ids, out_weights
-
-
-__all__ = ["launch_marker_to_moekit"]

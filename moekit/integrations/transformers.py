@@ -28,12 +28,14 @@ more tokens per chunk takes DeepGEMM's layout and the rest Triton): see
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from moekit.device import check_import_order
 from moekit.errors import InvalidInputError, OptionalDependencyError, UnsupportedModelError
 from moekit.experts.base import Experts
 from moekit.integrations.hf_checks import check_module, check_routing_ids, is_experts
@@ -78,9 +80,9 @@ class Settings:
 
     name: str
     make_experts: Callable[[], Experts]
+    make_fp8_experts: Callable[[], Experts]
     chunk_size: int | None
     kernel_options: dict
-    make_fp8_experts: Callable[[], Experts] | None = None
     pools: PoolRegistry = field(default_factory=PoolRegistry)  # one WorkspacePool per device, for every layer
 
     def build_kernel(self, device: torch.device, *, fp8: bool = False):
@@ -91,7 +93,9 @@ class Settings:
         from moekit.types import QuantScheme
 
         pool = self.pools.get(device)
-        experts = _checked_experts(self.make_fp8_experts() if fp8 else self.make_experts())
+        experts = self.make_fp8_experts() if fp8 else self.make_experts()
+        if not isinstance(experts, Experts):
+            raise InvalidInputError(f"the experts factory must return an Experts, got {type(experts).__name__}")
         if fp8 and experts.quant is not QuantScheme.FP8_BLOCK:
             raise InvalidInputError(f"fp8_experts must run QuantScheme.FP8_BLOCK, got {experts!r}")
         return ModularKernel(
@@ -139,16 +143,12 @@ def register(
     """
     unknown = sorted(set(kernel_options) - set(KERNEL_OPTIONS))
     if unknown:
+        why = "; the workspace pool is the integration's (one per device, shared by every layer)"
         raise InvalidInputError(
-            f"register() passes {KERNEL_OPTIONS} on to ModularKernel, got {unknown}"
-            + (
-                "; the workspace pool is the integration's (one per device, shared by every layer)"
-                if "pool" in unknown
-                else ""
-            )
+            f"register() passes {KERNEL_OPTIONS} on to ModularKernel, got {unknown}{why if 'pool' in unknown else ''}"
         )
     moe = _hf_moe()
-    _check_import_order()
+    check_import_order()
     taken = moe.ALL_EXPERTS_FUNCTIONS.get(name) if isinstance(name, str) else None
     if not isinstance(name, str) or not name or name == "eager" or (taken and not hasattr(taken, "_moekit")):
         raise InvalidInputError(
@@ -156,22 +156,14 @@ def register(
             f"{['eager', *moe.ALL_EXPERTS_FUNCTIONS]}), got {name!r}"
         )
     settings = Settings(
-        name,
-        _experts_factory(experts),
-        chunk_size,
-        dict(kernel_options),
-        make_fp8_experts=_experts_factory(fp8_experts, fp8=True),
+        name, _experts_factory(experts), _experts_factory(fp8_experts, fp8=True), chunk_size, dict(kernel_options)
     )
     settings.build_kernel(torch.device("cpu"))  # validates experts, chunk size and options now
     settings.build_kernel(torch.device("cpu"), fp8=True)
     settings.pools.clear()
-
-    def forward(module, hidden_states, top_k_index, top_k_weights):
-        return _forward(settings, module, hidden_states, top_k_index, top_k_weights)
-
-    def fp8_forward(module, hidden_states, top_k_index, top_k_weights):
-        return _forward(settings, module, hidden_states, top_k_index, top_k_weights, fp8=True)
-
+    # transformers calls them as forward(module, hidden_states, top_k_index, top_k_weights)
+    forward = functools.partial(_forward, settings)
+    fp8_forward = functools.partial(_forward, settings, fp8=True)
     forward._moekit = fp8_forward._moekit = settings
     moe.ExpertsInterface.register(name, forward)
     try:
@@ -189,16 +181,15 @@ def check_model(model: torch.nn.Module) -> list[str]:
     Returns the names of the MoE layers moekit will run; raises UnsupportedModelError naming
     the first layer that it cannot run, and why.
     """
-    names = [n for n, m in model.named_modules() if is_experts(m)]
-    if not names:
+    experts = {n: m for n, m in model.named_modules() if is_experts(m)}
+    if not experts:
         raise UnsupportedModelError(
             f"{type(model).__name__} has no transformers experts module (a class decorated with "
             "@use_experts_implementation); there is nothing for moekit to run"
         )
-    modules = dict(model.named_modules())
-    for n in names:
-        (check_fp8_module if is_fp8_experts(modules[n]) else check_module)(modules[n], name=n)
-    return names
+    for n, m in experts.items():
+        (check_fp8_module if is_fp8_experts(m) else check_module)(m, name=n)
+    return list(experts)
 
 
 def traces(model: torch.nn.Module) -> dict:
@@ -265,16 +256,8 @@ def moekit_routing(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, E: in
     return launch_marker_to_moekit(top_k_index, top_k_weights, E)  # one launch, nothing read back
 
 
-def _check_import_order() -> None:
-    from moekit import device
-
-    device.check_import_order()
-
-
 def _experts_factory(experts, *, fp8: bool = False) -> Callable[[], Experts]:
     if isinstance(experts, str):
-        import functools
-
         from moekit.api import experts_class
         from moekit.types import QuantScheme
 
@@ -286,9 +269,3 @@ def _experts_factory(experts, *, fp8: bool = False) -> Callable[[], Experts]:
     if callable(experts):
         return experts
     raise InvalidInputError(f"experts must be a name, an Experts instance or a factory, got {type(experts).__name__}")
-
-
-def _checked_experts(experts) -> Experts:
-    if not isinstance(experts, Experts):
-        raise InvalidInputError(f"the experts factory must return an Experts, got {type(experts).__name__}")
-    return experts

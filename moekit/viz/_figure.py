@@ -65,6 +65,17 @@ def colors(n: int):
     return [colormaps["turbo"](i / max(n - 1, 1)) for i in range(n)]
 
 
+def grouped_bars(ax, series: dict) -> dict:
+    """Side-by-side bars, one group per x = 0, 1, 2...: in each group, a bar per entry of ``series``
+    (``label -> heights``); returns ``label -> BarContainer``."""
+    width = 0.8 / max(len(series), 1)
+    bars = {}
+    for i, (label, heights) in enumerate(series.items()):
+        xs = [x + (i - (len(series) - 1) / 2) * width for x in range(len(heights))]
+        bars[label] = ax.bar(xs, heights, width=width, label=label)
+    return bars
+
+
 def integer_ticks(ax, *which):
     """Integer-only ticks on the named axes (``"x"``, ``"y"``)."""
     from matplotlib.ticker import MaxNLocator
@@ -73,20 +84,6 @@ def integer_ticks(ax, *which):
         getattr(ax, f"{axis}axis").set_major_locator(MaxNLocator(integer=True))
 
 
-def plain_ticks():
-    """A tick formatter that prints 1, 2, 4... rather than 2^0, 2^1, 2^2..."""
-    from matplotlib.ticker import FuncFormatter
-
-    return FuncFormatter(lambda v, _: f"{v:g}")
-
-
 def kib(v: int) -> str:
     """Bytes as a short KiB label."""
     return f"{v / 1024:.0f} KiB" if v >= 10 * 1024 else f"{v / 1024:.1f} KiB"
-
-
-def enumerate2d(a):
-    """``((i, j), a[i, j])`` over a 2-D array."""
-    for i in range(a.shape[0]):
-        for j in range(a.shape[1]):
-            yield (i, j), a[i, j]

@@ -8,7 +8,8 @@ import torch
 
 from moekit.quant import FP8
 from moekit.types import expert_bytes
-from moekit.viz._figure import axes_or_new, colors, enumerate2d, integer_ticks, kib, plain_ticks, to_numpy
+from moekit.validate import check_flag
+from moekit.viz._figure import axes_or_new, colors, grouped_bars, integer_ticks, kib, to_numpy
 
 
 def chunk_counts(
@@ -60,9 +61,9 @@ def plot_tokens_per_expert(counts, *, ax=None, title: str = "tokens per expert",
 def plot_counts_heatmap(counts, *, ax=None, title: str = "tokens per (chunk, expert)", annotate: bool | None = None):
     """A chunk x expert heatmap; cells hold the tokens each chunk sends to each expert (written in the
     cells when ``annotate``; None: when there are at most 160 cells)."""
-    if annotate is not None:
-        from moekit.validate import check_flag
+    import numpy
 
+    if annotate is not None:
         check_flag(annotate, "annotate")
     fig, ax = axes_or_new(ax)
     c = to_numpy(counts)
@@ -72,16 +73,9 @@ def plot_counts_heatmap(counts, *, ax=None, title: str = "tokens per (chunk, exp
     integer_ticks(ax, "x", "y")
     if annotate if annotate is not None else c.size <= 160:
         peak = c.max() if c.size else 0
-        for (i, j), v in enumerate2d(c):
-            ax.text(
-                j,
-                i,
-                f"{int(v)}",
-                ha="center",
-                va="center",
-                fontsize=7,
-                color="white" if v < peak / 2 else "black",
-            )
+        for (i, j), v in numpy.ndenumerate(c):
+            color = "white" if v < peak / 2 else "black"
+            ax.text(j, i, f"{int(v)}", ha="center", va="center", fontsize=7, color=color)
     return fig
 
 
@@ -104,10 +98,9 @@ def plot_stacked_chunks(counts, *, ax=None, title: str = "tokens per chunk, stac
         from matplotlib.colors import BoundaryNorm, ListedColormap
 
         bands = ScalarMappable(norm=BoundaryNorm(range(E + 1), E), cmap=ListedColormap(palette))
+        ticks = range(0, E, max(1, E // 8))
         bar = fig.colorbar(bands, ax=ax, label="expert")
-        bar.set_ticks(
-            [e + 0.5 for e in range(0, E, max(1, E // 8))], labels=[str(e) for e in range(0, E, max(1, E // 8))]
-        )
+        bar.set_ticks([e + 0.5 for e in ticks], labels=[str(e) for e in ticks])
     return fig
 
 
@@ -116,18 +109,10 @@ def plot_counts_vs_whole(per_chunk, whole, *, ax=None, title: str = "tokens per 
     chunk receives under ``metadata_policy="whole_batch"`` (bug 2)."""
     fig, ax = axes_or_new(ax, width=6.0)
     c, w = to_numpy(per_chunk), to_numpy(whole)
-    n, E = c.shape
-    width = 0.8 / max(n, 1)
-    for i in range(n):
-        ax.bar([e + (i - (n - 1) / 2) * width for e in range(E)], c[i], width=width, label=f"chunk {i} (true)")
-    ax.hlines(
-        w,
-        [e - 0.45 for e in range(E)],
-        [e + 0.45 for e in range(E)],
-        color="black",
-        lw=2,
-        label="whole batch (what each chunk is told)",
-    )
+    grouped_bars(ax, {f"chunk {i} (true)": row for i, row in enumerate(c)})
+    experts = range(c.shape[1])
+    label = "whole batch (what each chunk is told)"
+    ax.hlines(w, [e - 0.45 for e in experts], [e + 0.45 for e in experts], color="black", lw=2, label=label)
     ax.set(xlabel="local expert", ylabel="tokens (token, slot rows)", title=title)
     integer_ticks(ax, "x")
     ax.legend(fontsize=8)
@@ -146,12 +131,8 @@ def plot_workspace_bytes(
     ``labels`` (one per chunk, e.g. the backend that ran) are written under the bars.
     """
     fig, ax = axes_or_new(ax)
-    names = list(series)
     n = max((len(v) for v in series.values()), default=0)
-    width = 0.8 / max(len(names), 1)
-    for i, name in enumerate(names):
-        xs = [x + (i - (len(names) - 1) / 2) * width for x in range(len(series[name]))]
-        bars = ax.bar(xs, [v / 1024 for v in series[name]], width=width, label=name)
+    for name, bars in grouped_bars(ax, {name: [v / 1024 for v in vs] for name, vs in series.items()}).items():
         ax.bar_label(bars, labels=[kib(v) for v in series[name]], fontsize=7, padding=2)
     ticks = [f"{i}\n{labels[i]}" if labels else str(i) for i in range(n)]
     ax.set_xticks(range(n), ticks)
@@ -182,7 +163,7 @@ def plot_weight_bytes(
     if mark is not None:
         ax.axvline(mark, color="grey", ls=":", lw=1, label=f"C={mark}")
     ax.set_xscale("log", base=2)
-    ax.xaxis.set_major_formatter(plain_ticks())
+    ax.xaxis.set_major_formatter("{x:g}")  # 1, 2, 4... rather than 2^0, 2^1, 2^2...
     ax.set(xlabel="chunk size C (tokens)", ylabel="MiB read", title=title)
     ax.legend(fontsize=8)
     return fig

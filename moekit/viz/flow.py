@@ -59,6 +59,3 @@ def plot_data_flow(
         fontsize=10,
     )
     return fig
-
-
-__all__ = ["plot_data_flow"]

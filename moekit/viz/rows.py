@@ -10,21 +10,21 @@ from __future__ import annotations
 import torch
 
 from moekit.types import ALIGN_M as BLOCK  # the layout's block
-from moekit.viz._figure import axes_or_new, colors, integer_ticks, to_numpy
+from moekit.viz._figure import axes_or_new, colors, grouped_bars, integer_ticks, to_numpy
 
 
-def expert_segments(counts: torch.Tensor, *, block: int = BLOCK) -> torch.Tensor:
+def expert_segments(counts: torch.Tensor) -> torch.Tensor:
     """int64 ``[E + 1]``: where each local expert's rows start in the sorted layout (and the end).
 
     >>> expert_segments(torch.tensor([3, 0, 130])).tolist()
     [0, 128, 128, 384]
     """
     counts = torch.as_tensor(counts).to("cpu", torch.int64)
-    padded = (counts + block - 1) // block * block
+    padded = (counts + BLOCK - 1) // BLOCK * BLOCK
     return torch.cat([torch.zeros(1, dtype=torch.int64), padded.cumsum(0)])
 
 
-def row_chunk_counts(counts: torch.Tensor, rows_per_chunk: int, *, block: int = BLOCK) -> torch.Tensor:
+def row_chunk_counts(counts: torch.Tensor, rows_per_chunk: int) -> torch.Tensor:
     """int64 ``[num_chunks, E]``: real rows of each expert inside each chunk of ``rows_per_chunk``
     sorted rows (padding excluded): what ``Trace.counts_matrix()`` of a row-chunked forward holds
     for its chunks over the rows in use.
@@ -32,10 +32,10 @@ def row_chunk_counts(counts: torch.Tensor, rows_per_chunk: int, *, block: int = 
     >>> row_chunk_counts(torch.tensor([200, 10]), 128).tolist()
     [[128, 0], [72, 0], [0, 10]]
     """
-    if rows_per_chunk <= 0 or rows_per_chunk % block:
-        raise ValueError(f"rows_per_chunk must be a positive multiple of {block}, got {rows_per_chunk}")
+    if rows_per_chunk <= 0 or rows_per_chunk % BLOCK:
+        raise ValueError(f"rows_per_chunk must be a positive multiple of {BLOCK}, got {rows_per_chunk}")
     counts = torch.as_tensor(counts).to("cpu", torch.int64)
-    bounds = expert_segments(counts, block=block)
+    bounds = expert_segments(counts)
     start, total = bounds[:-1], int(bounds[-1])
     n = max(1, -(-total // rows_per_chunk))
     lo = torch.arange(n, dtype=torch.int64)[:, None] * rows_per_chunk  # each chunk's [lo, hi)
@@ -49,14 +49,12 @@ def chunks_per_expert(counts: torch.Tensor) -> torch.Tensor:
     return (torch.as_tensor(counts) > 0).sum(0)
 
 
-def plot_sorted_rows(
-    counts, rows_per_chunk: int, *, block: int = BLOCK, ax=None, title: str = "sorted rows, cut into chunks"
-):
+def plot_sorted_rows(counts, rows_per_chunk: int, *, ax=None, title: str = "sorted rows, cut into chunks"):
     """The layout as a strip: each expert's real rows in its colour, its padding pale, and the
     chunk boundaries every ``rows_per_chunk`` rows."""
     fig, ax = axes_or_new(ax, width=9.0, height=2.4)
     counts = torch.as_tensor(counts).to("cpu", torch.int64)
-    start = to_numpy(expert_segments(counts, block=block))
+    start = to_numpy(expert_segments(counts))
     palette = colors(counts.numel())
     for e, c in enumerate(counts.tolist()):
         ax.barh(0, c, left=start[e], height=0.6, color=palette[e], edgecolor="none")
@@ -84,10 +82,7 @@ def plot_chunks_per_expert(series: dict, *, ax=None, title: str = "chunks that r
     """Grouped bars: for each expert, the chunks that touch it under each plan in ``series``
     (``name -> counts [num_chunks, E]``)."""
     fig, ax = axes_or_new(ax)
-    width = 0.8 / max(len(series), 1)
-    for i, (name, counts) in enumerate(series.items()):
-        per = to_numpy(chunks_per_expert(counts))
-        ax.bar([e + (i - (len(series) - 1) / 2) * width for e in range(len(per))], per, width=width, label=name)
+    grouped_bars(ax, {name: to_numpy(chunks_per_expert(counts)) for name, counts in series.items()})
     integer_ticks(ax, "x", "y")
     ax.set(xlabel="local expert", ylabel="chunks", title=title)
     ax.legend(fontsize=8)
@@ -108,13 +103,3 @@ def plot_weight_bytes_per_chunk(
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=8)
     return fig
-
-
-__all__ = [
-    "chunks_per_expert",
-    "expert_segments",
-    "plot_chunks_per_expert",
-    "plot_sorted_rows",
-    "plot_weight_bytes_per_chunk",
-    "row_chunk_counts",
-]

@@ -6,19 +6,19 @@ The logic is two pure functions that run headless and are unit-tested:
   expert) on EP rank 0, and sweeps the expert-weight bytes that all chunks read against C;
 - :func:`draw` turns that into one figure (heatmap, stacked bars, bytes vs C).
 
-:func:`explorer` only wires ipywidgets sliders to them; ipywidgets is imported inside it.
+:func:`explorer` only wires ipywidgets sliders to them (:func:`moekit.widgets.display.live_box`);
+ipywidgets is imported inside it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import html
 from dataclasses import dataclass
 
 import torch
 
 from moekit import routing, viz
-from moekit.widgets.display import display_data, nearest
+from moekit.widgets.display import live_box, nearest
 
 CHUNK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 EXPERTS = (4, 8, 16, 32, 64, 128, 256)
@@ -104,12 +104,9 @@ def explorer_view(params: ExplorerParams) -> ExplorerView:
     return ExplorerView(p, counts, sizes, swept, per_expert)
 
 
-def draw(view: ExplorerView, fig=None):
+def draw(view: ExplorerView):
     """Heatmap, stacked bars and weight bytes vs C, side by side; returns the Figure."""
-    if fig is None:
-        fig, axes = viz.new_axes(3, width=5.2, height=3.8)
-    else:
-        axes = fig.subplots(1, 3)
+    fig, axes = viz.new_axes(3, width=5.2, height=3.8)
     viz.plot_counts_heatmap(view.counts, ax=axes[0], title=f"tokens per (chunk, expert), C={view.params.C}")
     viz.plot_stacked_chunks(view.counts, ax=axes[1])
     whole = view.num_local_experts * view.bytes_per_expert
@@ -132,23 +129,6 @@ def explorer(params: ExplorerParams | None = None, **overrides):
         "skew": w.FloatSlider(value=p.skew, min=0.0, max=3.0, step=0.1, description="skew", style=style),
         "ep_size": w.SelectionSlider(options=EP_SIZES, value=nearest(p.ep_size, EP_SIZES), description="EP size"),
     }
-    text, out = w.HTML(), w.Output()
-    box = w.VBox([w.HBox(list(sliders.values())[:3]), w.HBox(list(sliders.values())[3:]), text, out])
-
-    def update(_change=None):
-        """Redraw for the sliders' current values (called on every change)."""
-        values = {name: slider.value for name, slider in sliders.items()}
-        try:
-            view = explorer_view(dataclasses.replace(p, **values))
-            out.outputs = (display_data(draw(view)),)
-        except Exception as e:  # from a slider: its traceback would only reach the server log
-            if _change is None:
-                raise
-            text.value = f"<pre>{html.escape(f'{type(e).__name__}: {e}')}</pre>"
-            return
-        box.last_view, text.value = view, f"<code>{view.summary()}</code>"
-
-    for slider in sliders.values():
-        slider.observe(update, "value")
-    update()
-    return box
+    # `draw` is looked up at each redraw, not bound here: a patched one takes effect
+    view_for = lambda values: explorer_view(dataclasses.replace(p, **values))
+    return live_box(sliders, view_for=view_for, figure_for=lambda view: draw(view))

@@ -13,7 +13,6 @@ inside it.
 from __future__ import annotations
 
 import dataclasses
-import html
 import textwrap
 from dataclasses import dataclass
 
@@ -24,7 +23,7 @@ from moekit.prepare_finalize.no_ep import NoEPPrepareFinalize
 from moekit.testing import make_problem
 from moekit.trace import Trace
 from moekit.types import QuantScheme
-from moekit.widgets.display import display_data
+from moekit.widgets.display import live_box
 
 
 @dataclass(frozen=True)
@@ -106,29 +105,12 @@ def crash_explorer(params: CrashParams | None = None, **overrides):
 
     p = dataclasses.replace(params or CrashParams(), **overrides)
     end_M, end_C = slider_end(p.M), slider_end(p.M, p.C)  # C may reach past M: one chunk
-    sliders = {
+    sliders = {  # rerun on release only: each run takes a second or two
         "M": w.IntSlider(value=p.M, min=1, max=end_M, description="M tokens", continuous_update=False),
         "C": w.IntSlider(value=p.C, min=1, max=end_C, description="C chunk", continuous_update=False),
     }
     clamped = {k: (s.value, getattr(p, k)) for k, s in sliders.items() if s.value != getattr(p, k)}
-    if clamped:  # (cannot happen with the ends above; a slider would clamp silently)
+    if clamped:  # a start below 1 (not past the end, with the ends above): a slider would clamp it silently
         raise ValueError(f"a slider cannot hold its starting value: {clamped}")
-    text, out = w.HTML(), w.Output()
-    box = w.VBox([w.HBox(list(sliders.values())), text, out])
-
-    def update(_change=None):
-        """Rerun both kernels for the sliders' values (on release: each run takes a second or two)."""
-        try:
-            view = crash_view(dataclasses.replace(p, **{k: s.value for k, s in sliders.items()}))
-            out.outputs = (display_data(draw(view)),)
-        except Exception as e:  # from a slider: its traceback would only reach the server log
-            if _change is None:
-                raise
-            text.value = f"<pre>{html.escape(f'{type(e).__name__}: {e}')}</pre>"
-            return
-        box.last_view, text.value = view, f"<code>{html.escape(view.summary())}</code>"
-
-    for slider in sliders.values():
-        slider.observe(update, "value")
-    update()
-    return box
+    view_for = lambda values: crash_view(dataclasses.replace(p, **values))
+    return live_box(sliders, view_for=view_for, figure_for=draw)

@@ -1,6 +1,9 @@
-"""What both explorers share: a figure into an Output widget, and the nearest slider option."""
+"""What both explorers share: sliders over a live figure, a figure as display_data, the nearest option."""
 
 from __future__ import annotations
+
+import html
+from collections.abc import Callable
 
 
 def display_data(obj) -> dict:
@@ -21,3 +24,35 @@ def display_data(obj) -> dict:
 def nearest(value, options):
     """The option closest to ``value`` (the smaller one on a tie)."""
     return min(options, key=lambda o: (abs(o - value), o))
+
+
+def live_box(sliders: dict, *, view_for: Callable[[dict], object], figure_for: Callable, per_row: int = 3):
+    """A VBox of ``sliders`` (``per_row`` to a row), a line of text and an Output, redrawn on every
+    change: ``view = view_for({name: value})``, then ``figure_for(view)`` into the Output and
+    ``view.summary()`` into the text. ``box.last_view`` holds the latest view.
+
+    The first draw raises what it raises; an error from a slider is shown in the text line instead
+    (its traceback would only reach the server log), and the last good view stays.
+    """
+    import ipywidgets as w
+
+    shown = list(sliders.values())
+    text, out = w.HTML(), w.Output()
+    box = w.VBox([*(w.HBox(shown[i : i + per_row]) for i in range(0, len(shown), per_row)), text, out])
+
+    def update(_change=None):
+        """Redraw for the sliders' current values (called on every change)."""
+        try:
+            view = view_for({name: slider.value for name, slider in sliders.items()})
+            out.outputs = (display_data(figure_for(view)),)
+        except Exception as e:  # from a slider: its traceback would only reach the server log
+            if _change is None:
+                raise
+            text.value = f"<pre>{html.escape(f'{type(e).__name__}: {e}')}</pre>"
+            return
+        box.last_view, text.value = view, f"<code>{html.escape(view.summary())}</code>"
+
+    for slider in shown:
+        slider.observe(update, "value")
+    update()
+    return box

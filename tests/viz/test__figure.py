@@ -104,3 +104,13 @@ def test_small_heatmaps_are_annotated_cell_by_cell():
     texts = viz.plot_counts_heatmap(counts).axes[0].texts
     got = {(round(t.get_position()[1]), round(t.get_position()[0])): int(t.get_text()) for t in texts}
     assert got == {(i, j): int(counts[i, j]) for i in range(2) for j in range(3)}
+
+
+def test_grouped_bars_sit_side_by_side_around_each_x():
+    counts = torch.randint(1, 9, (3, 4))
+    ax = viz.plot_counts_vs_whole(counts, counts.sum(0)).axes[0]
+    bars = [p for p in ax.patches if p.get_height() > 0]
+    assert len(bars) == 12 and {round(p.get_width(), 6) for p in bars} == {round(0.8 / 3, 6)}
+    centres = sorted(p.get_x() + p.get_width() / 2 for p in bars)
+    for e in range(4):  # chunk 0, 1, 2 of expert e: one bar width apart, centred on e
+        assert [round(c - e, 6) for c in centres[3 * e : 3 * e + 3]] == [round(d * 0.8 / 3, 6) for d in (-1, 0, 1)]

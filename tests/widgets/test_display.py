@@ -1,4 +1,5 @@
-"""moekit.widgets.display: a figure as an Output widget's display_data, and the nearest slider option."""
+"""moekit.widgets.display: sliders over a live view, a figure as an Output widget's display_data, and the
+nearest slider option."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from moekit.widgets.display import display_data, nearest
+from moekit.widgets.display import display_data, live_box, nearest
 
 
 def test_without_an_ipython_shell_the_output_is_plain_text():
@@ -45,3 +46,37 @@ def test_nearest_takes_the_smaller_option_on_a_tie(value, want):
 
 def test_nearest_does_not_need_sorted_options():
     assert nearest(10, [16, 1, 8]) == 8 and nearest(12, [16, 8]) == 8 and nearest(13, [16, 8]) == 16
+
+
+class _View:
+    def __init__(self, n: int):
+        self.n = n
+
+    def summary(self) -> str:
+        return f"n=<{self.n}>"
+
+
+def _view_for(values: dict) -> _View:
+    if values["n"] < 0:
+        raise ValueError("negative n")
+    return _View(values["n"])
+
+
+def test_live_box_redraws_on_a_change_and_shows_a_sliders_error():
+    w = pytest.importorskip("ipywidgets")
+    start = int(torch.randint(0, 5, ()))
+    sliders = {name: w.IntSlider(value=start, min=-5, max=5) for name in ("n", "a", "b", "c")}
+    box = live_box(sliders, view_for=_view_for, figure_for=lambda view: view.n * 10)
+    assert [len(row.children) for row in box.children[:2]] == [3, 1]  # three sliders to a row
+    text, out = box.children[2:]
+    assert box.last_view.n == start and text.value == f"<code>n=&lt;{start}&gt;</code>"
+    sliders["n"].value = start + 1
+    assert box.last_view.n == start + 1 and out.outputs[0]["data"]["text/plain"] == str((start + 1) * 10)
+    sliders["n"].value = -1  # the error is shown; the last good view stays
+    assert "ValueError: negative n" in text.value and box.last_view.n == start + 1
+
+
+def test_live_box_raises_what_its_first_draw_raises():
+    w = pytest.importorskip("ipywidgets")
+    with pytest.raises(ValueError, match="negative n"):
+        live_box({"n": w.IntSlider(value=-1, min=-5, max=5)}, view_for=_view_for, figure_for=lambda view: view)
