@@ -1,26 +1,32 @@
 """Upstream's chunk loop as it was between PR #20392 and its removal, as strategies to plug in.
 
-vLLM's modular kernel kept its chunk loop for eight months after #20392 fixed it, and more bugs
-lived in it; four of them, from the reference's timeline, are here. Each class below is one,
-small enough to read beside the upstream change that fixed it, and plugs into a real
+vLLM's modular kernel kept its chunk loop for eight months after #20392 fixed it (``fdadb6f43``,
+2025-07-10) until #34086 removed it (``2cdf92228``, 2026-03-13), and more bugs lived in it; four
+of them, from the reference's timeline, are here. Each hash below is the upstream squash-merge
+commit of the PR named beside it (vllm-project/vllm, checked in its git history). Each class is
+one bug, small enough to read beside the upstream change that fixed it, and plugs into a real
 :class:`moekit.ModularKernel` so that the real loop, experts and kernels meet the bug::
 
     kernel = moekit.ModularKernel(pf, experts, chunk_size=C)
     kernel.planner = history.TokenPlannerBefore26528(C)        # swap one strategy, then call it
 
-==============================  =========================================  ==================
-class                           what upstream did                          fixed by
-==============================  =========================================  ==================
-TokenPlannerBefore26528         chunk count ``cdiv(M, min(M, C))``: a      #26528 (2025-10-09)
+==============================  =========================================  ===============================
+class                           what upstream did (since)                  fixed by (merge commit, date)
+==============================  =========================================  ===============================
+TokenPlannerBefore26528         chunk count ``cdiv(M, min(M, C))``: a      #26528 ``1ee35382c`` 2025-10-09
                                 rank with no tokens divides by zero
-TokenPlannerBefore28728         ``a2_scale`` sliced ``(e, e)``: every      #28728 (2025-11-14)
+                                (#24812 ``da364615f``, 2025-10-08)
+TokenPlannerBefore28728         ``a2_scale`` sliced ``(e, e)``: every      #28728 ``fd4555089`` 2025-11-14
                                 chunk handed an empty per-token scale
-ProfileRunReservation           the profile run's worst-case reservation   #30899 (2025-12-17)
-  + LockablePool                sized from that run's own counts; the
-                                workspace locked afterwards
-TokenPlannerBefore29935         the chunking kill switch read, then        #29935 (2025-12-18)
+                                (#24812 ``da364615f``, 2025-10-08)
+ProfileRunReservation           the profile run's worst-case reservation   #30899 ``e3fc374a9`` 2025-12-17
+  + LockablePool                sized from that run's own counts (#27426
+                                ``1840c5cb1``, 2025-11-21); the workspace
+                                locked afterwards (#27532 ``3e41992fe``)
+TokenPlannerBefore29935         the chunking kill switch read, then        #29935 ``8372be282`` 2025-12-18
                                 ignored: the loop asked the experts only
-==============================  =========================================  ==================
+                                (#20392 ``fdadb6f43``, 2025-07-10)
+==============================  =========================================  ===============================
 
 None of them is a default, and none raises to imitate a bug: each computes what upstream
 computed, and what fails is what failed there (Python's ZeroDivisionError; a locked workspace
@@ -43,7 +49,11 @@ from moekit.plan import TokenPlanner, slice_scales
 from moekit.types import WorkspaceShapes
 from moekit.workspace import WORKSPACE_ALIGN, WorkspacePool
 
-UPSTREAM_CHUNK_SIZE = 32768  # VLLM_FUSED_MOE_CHUNK_SIZE's default at runtime (its type stub said 64 * 1024)
+# VLLM_FUSED_MOE_CHUNK_SIZE's default at runtime from #7995 (34a0e96d4, 2024-08-30; 65536 since #6029,
+# 12a59959e) until #27426 (1840c5cb1, 2025-11-21) lowered it to 16384; its type stub said 64 * 1024 until then.
+# So 32768 is the default of #20392 (fdadb6f43) and of the loop the 26528 and 28728 replays show; the
+# reservation replay (#27426 to #30899) ran at 16384 upstream, and the kill-switch bug lived under both.
+UPSTREAM_CHUNK_SIZE = 32768
 
 
 def _upstream_chunk_size(chunk_size) -> int:
@@ -54,13 +64,15 @@ def _upstream_chunk_size(chunk_size) -> int:
 
 
 class TokenPlannerBefore26528(TokenPlanner):
-    """Token chunks counted as ``_chunk_info`` counted them from #24812 (2025-10-08) to #26528.
+    """Token chunks counted as ``_chunk_info`` counted them from #24812 (``da364615f``, 2025-10-08)
+    to #26528 (``1ee35382c``, 2025-10-09).
 
     Upstream took the chunk size as ``min(M, C)`` for experts that chunk (``max(M, 1)`` for the
     others), then ``num_chunks = cdiv(M, chunk size)``. A rank that receives no tokens has M = 0,
     so a chunking expert's chunk size is 0 and ``cdiv(0, 0)`` raises ZeroDivisionError (issue
-    #26523). The fix took ``max(1, ...)``. moekit plans no chunk for M = 0 (``chunk_ranges``),
-    and without a collective stage its forward returns before planning.
+    #26523, which #26528 names as fixed). The fix took ``max(1, ...)`` (``1ee35382c``). moekit
+    plans no chunk for M = 0 (``chunk_ranges``), and without a collective stage its forward
+    returns before planning.
 
     Args:
         chunk_size: C (default: upstream's default, 32768).
@@ -78,12 +90,13 @@ class TokenPlannerBefore26528(TokenPlanner):
 
 
 class TokenPlannerBefore28728(TokenPlanner):
-    """Token chunks whose ``a2_scale`` is sliced ``(e, e)``, the misprint of #24812 fixed by #28728.
+    """Token chunks whose ``a2_scale`` is sliced ``(e, e)``, the misprint of #24812 (``da364615f``)
+    fixed by #28728 (``fd4555089``).
 
-    A per-tensor scale (one element) passes the slicing whole (as ``_chunk_scales`` did at
-    #20392), so only per-token scales met the misprint, and each was cut to an empty slice: no
-    chunk got the scales of its own tokens. A kernel
-    that reads a per-row scale from an empty tensor reads past its end, which is undefined;
+    A per-tensor scale (one element) passes the slicing whole (``_slice_scales`` at ``da364615f``,
+    as ``_chunk_scales`` did at #20392, ``fdadb6f43``), so only per-token scales met the
+    misprint, and each was cut to an empty slice: no chunk got the scales of its own tokens. A
+    kernel that reads a per-row scale from an empty tensor reads past its end, which is undefined;
     moekit's guard (``ModularKernel(guard=True)``, the default) refuses such a chunk by name
     before its experts run.
     """
@@ -94,13 +107,15 @@ class TokenPlannerBefore28728(TokenPlanner):
 
 
 class TokenPlannerBefore29935(TokenPlanner):
-    """Token chunks that read a kill switch and then ignore it, as the loop did from #20392 to #29935.
+    """Token chunks that read a kill switch and then ignore it, as the loop did from #20392
+    (``fdadb6f43``, 2025-07-10) to #29935 (``8372be282``, 2025-12-18).
 
     ``enable_chunking()`` (``VLLM_ENABLE_FUSED_MOE_ACTIVATION_CHUNKING and supports_chunking()``,
-    from #19642) still existed, but #20392's loop asked ``supports_chunking()`` directly, so
-    switching chunking off changed nothing. #29935 made the loop call ``enable_chunking()``; its
-    PR reports better throughput with chunking off. In moekit the one switch is the
-    constructor's ``chunk_size=None``, read in one place.
+    from #19642, ``33d51f599``) still existed, but #20392's loop asked ``supports_chunking()``
+    directly, so switching chunking off changed nothing. #29935 made the loop (and #27426's
+    profile-run reservation) call ``enable_chunking()``; its PR reports better throughput with
+    chunking off. In moekit the one switch is the constructor's ``chunk_size=None``, read in one
+    place.
 
     Args:
         chunk_size: C.
@@ -129,9 +144,15 @@ def pool_bytes(shapes: WorkspaceShapes) -> int:
 
 
 class LockablePool(WorkspacePool):
-    """A workspace pool that stops growing once locked, as upstream's WorkspaceManager (#27532)
-    after CUDA-graph capture: a request larger than the buffer then fails instead of growing it
-    (upstream asserted; here WorkspaceLockedError, with both sizes)."""
+    """A workspace pool that stops growing once locked, as upstream's WorkspaceManager after
+    CUDA-graph capture: a request larger than the buffer then fails instead of growing it
+    (upstream raised AssertionError; here WorkspaceLockedError, with both sizes).
+
+    The WorkspaceManager came with #27532 (``3e41992fe``, 2025-12-12), titled as an attention
+    change (a sparse prefill kernel for DeepSeek-V3.2's fp8 KV cache). What matters here is that
+    it added ``vllm/v1/worker/workspace.py``, moved the modular kernel's workspaces from its
+    per-class shared buffers into that one manager, and had the GPU model runner lock it after
+    capturing the CUDA graphs."""
 
     def __init__(self, device: torch.device | str):
         super().__init__(device)
@@ -159,14 +180,16 @@ class LockablePool(WorkspacePool):
 
 class ProfileRunReservation:
     """A workspace policy: every chunk gets its own shapes, and the first forward (the profile
-    run) first reserves the worst case at C rows in the pool, as #27426 did (2025-11-21).
+    run) first reserves the worst case at C rows in the pool, as #27426 did (``1840c5cb1``,
+    2025-11-21; upstream reserved at ``VLLM_FUSED_MOE_CHUNK_SIZE``, whose default the same
+    commit lowered from 32768 to 16384).
 
-    ``with_counts=True`` is the reservation before #30899: it handed ``workspace_shapes`` the
-    profile run's own tokens per expert, and an experts class that sizes from CPU counts
-    (DeepGEMM's layout: every expert's rows padded to 128) then reserved for that run's routing,
-    not for the worst. Once the pool is locked a later batch routed more widely asks for more,
-    and fails. ``with_counts=False`` is #30899's fix: no counts, so the experts size the worst
-    case for C rows.
+    ``with_counts=True`` is the reservation before #30899 (``e3fc374a9``): it handed
+    ``workspace_shapes`` the profile run's own tokens per expert, and an experts class that sizes
+    from CPU counts (DeepGEMM's layout: every expert's rows padded to 128) then reserved for that
+    run's routing, not for the worst. Once the pool is locked a later batch routed more widely
+    asks for more, and fails. ``with_counts=False`` is #30899's fix: no counts, so the experts
+    size the worst case for C rows.
 
     Args:
         pool: the kernel's pool (a :class:`LockablePool`; pass the same one as ``ModularKernel(pool=...)``).

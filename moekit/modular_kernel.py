@@ -74,9 +74,10 @@ class ModularKernel:
         prepare_finalize: a :class:`PrepareFinalize` (its activation format must match the
             experts' format; checked here).
         experts: an :class:`Experts` (its settings are read once, here).
-        chunk_size: tokens per chunk, or None for one chunk. None is the default because
-            chunking only bounds workspace memory; it costs speed (each chunk re-reads the
-            weights of the experts it touches), and upstream removed it in 2026 (#34086).
+        chunk_size: tokens per chunk, or None for one chunk. None is the default: chunking
+            only bounds workspace memory and it costs speed (each chunk re-reads the weights of
+            the experts it touches). Upstream removed the loop in 2026 (#34086), once chunked
+            prefill had made it unnecessary (``moekit.history``).
         chunk_by: ``"tokens"`` (chunks of C tokens, as upstream) or ``"rows"`` (chunks of
             ``chunk_size`` expert-sorted rows, a multiple of 128; see :mod:`moekit.plan`). Needs
             experts with ``supports_row_chunks`` and ``workspace_policy="per_chunk"``.

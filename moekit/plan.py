@@ -120,8 +120,9 @@ def _ranges(kind, M: int, C: int | None) -> tuple:
 def slice_scales(scale: torch.Tensor | None, start: int, end: int) -> torch.Tensor | None:
     """The rows of a per-token or per-group scale that belong to ``[start, end)``.
 
-    A per-tensor scale (one element) is shared by every chunk and passes whole. Upstream once
-    sliced ``a2_scale`` with ``(end, end)`` and handed every chunk an empty scale (#28728).
+    A per-tensor scale (one element) is shared by every chunk and passes whole. From #24812 upstream
+    sliced a per-token ``a2_scale`` with ``(end, end)``, handing every chunk an empty scale, until
+    #28728 fixed it (``moekit.history``).
     """
     if scale is None or scale.numel() == 1:
         return scale
