@@ -36,7 +36,9 @@ def _constants(kernel) -> dict:
     for key, value in raw.items():
         index = key[0] if isinstance(key, tuple) and len(key) == 1 else key
         name = names[index] if isinstance(index, int) and index < len(names) else str(key)
-        if isinstance(value, (bool, int, float, str)):
+        if hasattr(value, "_asdict"):  # a NamedTuple of them (the wing's grouped GEMM takes its META so)
+            out.update({k: v for k, v in value._asdict().items() if isinstance(v, (bool, int, float, str))})
+        elif isinstance(value, (bool, int, float, str)):
             out[name] = value
     return out
 

@@ -42,7 +42,6 @@ from moekit.kernels.align import moe_align_block_size
 from moekit.hopper.configs import get_config
 from moekit.hopper.grouped_gemm import GatedOutput, _fused_moe_kernel, fused_moe_gemm
 from moekit.hopper.gemm_args import RowWindow
-from moekit.hopper.grouped_gemm import _persistent_moe_kernel
 from moekit.roofline import SHAPES
 
 _WIDE = ["128x256x64 g8 w8 s3 t p", "128x256x64 g8 w8 s4 t p", "128x256x64 g8 w8 s3 t p ws",
@@ -203,13 +202,13 @@ def main() -> int:
             torch.cuda.empty_cache()
             if out is not None:
                 out.write_text(json.dumps(payload, indent=1, default=str))
-    for kernel in (_fused_moe_kernel, _persistent_moe_kernel):
-        for r in kernel_reports(kernel):
-            c = r.constants
-            tile = f"{c.get('BLOCK_M')}x{c.get('BLOCK_N')}x{c.get('BLOCK_K')} gated{int(bool(c.get('GATED')))}"
-            flags = f"ws{int(bool(c.get('WARP_SPECIALIZE')))} a_tma{int(bool(c.get('A_TMA')))}"
-            print(f"{kernel.__name__} {tile} {flags} w{r.num_warps} s{r.num_stages}: regs {r.n_regs} spills "
-                  f"{r.n_spills} smem {r.shared_bytes} warp-specialized {r.warp_specialized}")  # fmt: skip
+    for r in kernel_reports(_fused_moe_kernel):  # one kernel: NUM_SMS > 0 is the persistent walk
+        c = r.constants
+        tile = f"{c.get('BLOCK_M')}x{c.get('BLOCK_N')}x{c.get('BLOCK_K')} gated{int(bool(c.get('GATED')))}"
+        flags = f"ws{int(bool(c.get('WARP_SPECIALIZE')))} a_tma{int(bool(c.get('A_TMA')))}"
+        walk = "persistent" if c.get("NUM_SMS") else "one program per tile"
+        print(f"{walk} {tile} {flags} w{r.num_warps} s{r.num_stages}: regs {r.n_regs} spills "
+              f"{r.n_spills} smem {r.shared_bytes} warp-specialized {r.warp_specialized}")  # fmt: skip
     return 0
 
 

@@ -4,12 +4,12 @@
 each of those is mostly launch latency, so here:
 
 - up to ``SMALL_MAX`` pairs (at most one tile: decode) one program does all three steps
-  (``_align_small_kernel``);
+  (``_align_one_launch_kernel`` with ``ONE_PROGRAM``);
 - up to ``MEDIUM_MAX`` pairs one launch of ``numel / TILE`` programs, each counting all the pairs
-  itself (``_align_medium_kernel``: steps 1 and 2 folded into 3);
+  itself (the same kernel without it: steps 1 and 2 folded into 3);
 - past that the book's three kernels run, launched by :class:`~moekit.hopper.launch.LeanLauncher`.
 
-The one-launch kernels wait on the previous kernel with PDL (:mod:`moekit.hopper.pdl`). Every path
+The one-launch kernel waits on the previous kernel with PDL (:mod:`moekit.hopper.pdl`). Every path
 writes exactly the book's layout into the book's :class:`~moekit.kernels.align.AlignedBlocks` (the
 buffer is sized by the book's :class:`~moekit.kernels.align.AlignShape`; the one-launch paths leave
 its scratch counts unused).
@@ -51,7 +51,7 @@ _SIZES = ["numel", "max_padded", "max_blocks"]
 
 
 @triton.jit(do_not_specialize=_SIZES)
-def _align_small_kernel(
+def _align_one_launch_kernel(
     # Pointers
     ids_ptr,
     map_ptr,
@@ -72,94 +72,67 @@ def _align_small_kernel(
     TILE: tl.constexpr,
     PAD_W: tl.constexpr,
     FILL: tl.constexpr,
-    PDL: tl.constexpr = False,
-):
-    pdl_begin(PDL)  # nothing is read before the previous kernel completes
-    # All three steps in one program, for inputs of one tile (decode): one launch instead of three.
-    sorted_ptr = out_ptr
-    expert_ids_ptr = out_ptr + expert_off
-    post_ptr = out_ptr + post_off
-    offs = tl.arange(0, TILE)
-    bins = tl.arange(0, NUM_BINS)
-    bucket, expert = bucket_of(ids_ptr, map_ptr, offs, numel, E, num_local, HAS_MAP, KEEP_EMPTY, NUM_BINS - 1)
-    keep = bucket <= E
-    # A one-hot sum, not tl.histogram: a tile this small is spread thinner than one element per thread.
-    totals = tl.sum(((bucket[:, None] == bins[None, :]) & (bins[None, :] <= E)).to(tl.int32), axis=0)
-    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    starts = tl.cumsum(padded, axis=0) - padded
-    post = tl.sum(padded, axis=0)
-    b = tl.where(keep, bucket, 0)
-    pos = rank_in_tile(bucket, TILE)
-    row = tl.gather(starts, b, 0) + pos
-    place(sorted_ptr, expert_ids_ptr, offs, row, pos, expert, keep, BLOCK_M)
-    # The last pair of each bucket writes the bucket's padding right after itself.
-    total = tl.gather(totals, b, 0)
-    n_pad = tl.where(keep & (pos == total - 1), tl.gather(padded, b, 0) - total, 0)
-    pad(sorted_ptr, row + 1, n_pad, numel, PAD_W)
-    tl.store(post_ptr, post)
-    fill_tail(sorted_ptr, expert_ids_ptr, post, numel, max_padded, max_blocks, 0, 1, BLOCK_M, FILL)
-
-
-@triton.jit(do_not_specialize=_SIZES)
-def _align_medium_kernel(
-    # Pointers
-    ids_ptr,
-    map_ptr,
-    out_ptr,
-    # Sizes
-    numel,
-    E,
-    num_local,
-    max_padded,
-    max_blocks,
-    expert_off,
-    post_off,
-    # Meta-parameters
-    BLOCK_M: tl.constexpr,
-    HAS_MAP: tl.constexpr,
-    KEEP_EMPTY: tl.constexpr,
-    NUM_BINS: tl.constexpr,
-    TILE: tl.constexpr,
-    CHUNK: tl.constexpr,
+    ONE_PROGRAM: tl.constexpr,
+    CHUNK: tl.constexpr,  # (numel / TILE programs only, as OWNED)
     OWNED: tl.constexpr,
-    PAD_W: tl.constexpr,
-    FILL: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     pdl_begin(PDL)  # nothing is read before the previous kernel completes
-    # The count and the scan folded into the scatter, for a few thousand pairs: every program
-    # histograms all of them itself (the totals) and those before its tile (its offsets), so
-    # one launch replaces three; the ids are re-read from L2, numel / TILE times in all.
     sorted_ptr = out_ptr
     expert_ids_ptr = out_ptr + expert_off
     post_ptr = out_ptr + post_off
-    t = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    drop = NUM_BINS - 1  # dropped pairs' bin, never a real bucket (NUM_BINS > E + 1)
-    bins = tl.arange(0, NUM_BINS)
-    totals = tl.zeros([NUM_BINS], dtype=tl.int32)
-    before = tl.zeros([NUM_BINS], dtype=tl.int32)
-    for c0 in range(0, numel, CHUNK):
-        every = c0 + tl.arange(0, CHUNK)
-        b_all, _ = bucket_of(ids_ptr, map_ptr, every, numel, E, num_local, HAS_MAP, KEEP_EMPTY, drop)
-        totals += tl.histogram(b_all, NUM_BINS)
-        before += tl.histogram(tl.where(every < t * TILE, b_all, drop), NUM_BINS)
-    totals = tl.where(bins <= E, totals, 0)
-    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    starts = tl.cumsum(padded, axis=0) - padded
-    post = tl.sum(padded, axis=0)
-
-    idx = t * TILE + tl.arange(0, TILE)
-    bucket, expert = bucket_of(ids_ptr, map_ptr, idx, numel, E, num_local, HAS_MAP, KEEP_EMPTY, drop)
-    keep = bucket <= E
-    b = tl.where(keep, bucket, 0)
-    pos = tl.gather(before, b, 0) + rank_in_tile(bucket, TILE)
-    place(sorted_ptr, expert_ids_ptr, idx, tl.gather(starts, b, 0) + pos, pos, expert, keep, BLOCK_M)
-
-    pad_owned(sorted_ptr, totals, padded, starts, t, nprog, numel, E, OWNED, PAD_W)
-    if t == 0:
+    if ONE_PROGRAM:
+        # All three steps in one program, for inputs of one tile (decode): one launch instead of three.
+        offs = tl.arange(0, TILE)
+        bins = tl.arange(0, NUM_BINS)
+        bucket, expert = bucket_of(ids_ptr, map_ptr, offs, numel, E, num_local, HAS_MAP, KEEP_EMPTY, NUM_BINS - 1)
+        keep = bucket <= E
+        # A one-hot sum, not tl.histogram: a tile this small is spread thinner than one element per thread.
+        totals = tl.sum(((bucket[:, None] == bins[None, :]) & (bins[None, :] <= E)).to(tl.int32), axis=0)
+        padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        starts = tl.cumsum(padded, axis=0) - padded
+        post = tl.sum(padded, axis=0)
+        b = tl.where(keep, bucket, 0)
+        pos = rank_in_tile(bucket, TILE)
+        row = tl.gather(starts, b, 0) + pos
+        place(sorted_ptr, expert_ids_ptr, offs, row, pos, expert, keep, BLOCK_M)
+        # The last pair of each bucket writes the bucket's padding right after itself.
+        total = tl.gather(totals, b, 0)
+        n_pad = tl.where(keep & (pos == total - 1), tl.gather(padded, b, 0) - total, 0)
+        pad(sorted_ptr, row + 1, n_pad, numel, PAD_W)
         tl.store(post_ptr, post)
-    fill_tail(sorted_ptr, expert_ids_ptr, post, numel, max_padded, max_blocks, t, nprog, BLOCK_M, FILL)
+        fill_tail(sorted_ptr, expert_ids_ptr, post, numel, max_padded, max_blocks, 0, 1, BLOCK_M, FILL)
+    else:
+        # The count and the scan folded into the scatter, for a few thousand pairs: every program
+        # histograms all of them itself (the totals) and those before its tile (its offsets), so
+        # one launch replaces three; the ids are re-read from L2, numel / TILE times in all.
+        t = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        drop = NUM_BINS - 1  # dropped pairs' bin, never a real bucket (NUM_BINS > E + 1)
+        bins = tl.arange(0, NUM_BINS)
+        totals = tl.zeros([NUM_BINS], dtype=tl.int32)
+        before = tl.zeros([NUM_BINS], dtype=tl.int32)
+        for c0 in range(0, numel, CHUNK):
+            every = c0 + tl.arange(0, CHUNK)
+            b_all, _ = bucket_of(ids_ptr, map_ptr, every, numel, E, num_local, HAS_MAP, KEEP_EMPTY, drop)
+            totals += tl.histogram(b_all, NUM_BINS)
+            before += tl.histogram(tl.where(every < t * TILE, b_all, drop), NUM_BINS)
+        totals = tl.where(bins <= E, totals, 0)
+        padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        starts = tl.cumsum(padded, axis=0) - padded
+        post = tl.sum(padded, axis=0)
+
+        idx = t * TILE + tl.arange(0, TILE)
+        bucket, expert = bucket_of(ids_ptr, map_ptr, idx, numel, E, num_local, HAS_MAP, KEEP_EMPTY, drop)
+        keep = bucket <= E
+        b = tl.where(keep, bucket, 0)
+        pos = tl.gather(before, b, 0) + rank_in_tile(bucket, TILE)
+        place(sorted_ptr, expert_ids_ptr, idx, tl.gather(starts, b, 0) + pos, pos, expert, keep, BLOCK_M)
+
+        pad_owned(sorted_ptr, totals, padded, starts, t, nprog, numel, E, OWNED, PAD_W)
+        if t == 0:
+            tl.store(post_ptr, post)
+        fill_tail(sorted_ptr, expert_ids_ptr, post, numel, max_padded, max_blocks, t, nprog, BLOCK_M, FILL)
 
 
 @dataclass(frozen=True, eq=False)  # compared and hashed by identity: one per size (_path_of)
@@ -170,8 +143,8 @@ class _Path:
     small: bool
     medium: bool
     tile: int  # pairs per program: the small kernel's power of two of numel, else TILE
-    warps: int  # of the one-launch kernels
     spec: tuple  # everything of these sizes that selects a compiled variant (the launch keys)
+    one_launch: dict  # the one-launch kernel's constexprs and warps, beyond the flags of the ids
 
 
 def _small_warps(num_bins: int, tile: int) -> int:
@@ -194,11 +167,11 @@ def _path_of(numel: int, E: int, num_local: int, block_m: int, small_max: int, m
     # others, do_not_specialize, only by their width: max_padded bounds numel and max_blocks).
     spec = (small, medium, block_m, tile, warps, sh.num_bins, sh.owned, sh.scan_block, sh.max_padded >= 2**31)
     spec += tuple(int_spec(v) for v in (E, num_local, sh.expert_off, sh.post_off, sh.counts_off, sh.totals_off))
-    return _Path(sh, small, medium, tile, warps, spec)
+    consts = dict(BLOCK_M=block_m, TILE=tile, PAD_W=max(16, block_m), FILL=FILL_STEP, OWNED=sh.owned, CHUNK=_CHUNK)
+    return _Path(sh, small, medium, tile, spec, dict(consts, ONE_PROGRAM=small, num_warps=warps))
 
 
-_SMALL = LeanLauncher(_align_small_kernel, pdl=True)
-_MEDIUM = LeanLauncher(_align_medium_kernel, pdl=True)
+_ONE_LAUNCH = LeanLauncher(_align_one_launch_kernel, pdl=True)
 _COUNT = LeanLauncher(align_count_kernel)
 _SCAN = LeanLauncher(align_scan_kernel)
 _SCATTER = LeanLauncher(align_scatter_kernel)
@@ -234,19 +207,10 @@ def launch_align(
     key = (path.spec, keep_empty, topk_ids.dtype, topk_ids.data_ptr() % 16 == 0, map_spec)
     ptrs = (topk_ids, expert_map, buf)
     pad_w = max(16, block_m)
-    if path.small:
+    if path.small or path.medium:  # one launch: of one program, or of numel / TILE
         args = (*ptrs, *dims, sh.max_padded, sh.max_blocks, sh.expert_off, sh.post_off)
-        consts = lambda: dict(
-            BLOCK_M=block_m, TILE=path.tile, PAD_W=pad_w, FILL=FILL_STEP, **flags, num_warps=path.warps
-        )
-        _SMALL((1,), args, key=key, stream=stream, constexprs=consts)
-        return out
-    if path.medium:
-        args = (*ptrs, *dims, sh.max_padded, sh.max_blocks, sh.expert_off, sh.post_off)
-        consts = lambda: dict(
-            flags, BLOCK_M=block_m, TILE=TILE, CHUNK=_CHUNK, OWNED=sh.owned, PAD_W=pad_w, FILL=FILL_STEP
-        )
-        _MEDIUM((sh.num_tiles,), args, key=key, stream=stream, constexprs=lambda: dict(consts(), num_warps=path.warps))
+        consts = lambda: dict(flags, **path.one_launch)
+        _ONE_LAUNCH((1 if path.small else sh.num_tiles,), args, key=key, stream=stream, constexprs=consts)
         return out
     grid = (sh.num_tiles,)
     offsets = (sh.expert_off, sh.post_off, sh.counts_off, sh.totals_off)

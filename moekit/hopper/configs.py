@@ -18,7 +18,7 @@ import torch
 
 from moekit.device import interpreting
 from moekit.errors import InvalidInputError
-from moekit.kernels.fused_moe import Tiles
+from moekit.kernels.fused_moe import INTERPRETER_TILES, Tiles
 
 _DTYPE_KEYS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8"}
 
@@ -35,18 +35,12 @@ class KernelConfig(Tiles):
     gathered activation rows always use per-thread copies. ``TAIL_M`` (0: off): a block with
     at most ``TAIL_M`` real rows (an expert's last block, mostly padding) runs a ``TAIL_M``-row
     tile, so padding costs less of the tensor cores; a power of two >= 16 below ``BLOCK_M``.
-    ``persistent``: one program per SM walks the tiles (``_persistent_moe_kernel`` in
+    ``persistent``: one program per SM walks the tiles (the persistent walk of
     :mod:`moekit.hopper.grouped_gemm`); no ``TAIL_M`` then. ``warp_specialize``: ask Triton to split
     that walk's loop into producer and consumer warps (``tl.range(warp_specialize=True)``; persistent
     only).
     """
 
-    BLOCK_M: int
-    BLOCK_N: int
-    BLOCK_K: int
-    GROUP_M: int = 8
-    num_warps: int = 4
-    num_stages: int = 3
     tma: bool = False
     TAIL_M: int = 0
     persistent: bool = False
@@ -76,9 +70,8 @@ class KernelConfig(Tiles):
         return self._hash
 
 
-# Few, large programs: the interpreter's cost is per program and per k-step, not per element
-# (BLOCK_K = 128 also suits fp8, one scale pair per k-step).
-_INTERPRETER = KernelConfig(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=1)
+# The book's tiles under the interpreter: few, large programs (its cost is per program and per k-step).
+_INTERPRETER = KernelConfig(**INTERPRETER_TILES.launch)
 
 
 @functools.cache

@@ -44,14 +44,7 @@ from moekit.kernels.align import AlignedBlocks
 from moekit.kernels.count import count_launch
 from moekit.kernels.fused_moe import RowWindow
 from moekit.quant import FP8, FP8_GROUP
-from moekit.types import (
-    ExpertPlacement,
-    ExpertsCall,
-    ExpertTokensMetadata,
-    ProblemSize,
-    QuantScheme,
-    WorkspaceShapes,
-)
+from moekit.types import ExpertPlacement, ExpertsCall, ExpertTokensMetadata, ProblemSize, QuantScheme, WorkspaceShapes
 from moekit.validate import check_flag
 
 
@@ -85,39 +78,26 @@ class HopperTritonExperts(TritonExperts):
         act_dtype: torch.dtype,
         tokens_meta: ExpertTokensMetadata | None = None,
     ) -> WorkspaceShapes:
-        """``(M, topk, N)``, ``(M * topk, N/2)`` and output ``(M, topk, K)`` in the compute dtype
-        (fused activation: ``(M, topk, N/2)`` and ``(M * topk, 0)``). Asked per chunk, as in the
-        book; answered from a memo (the shapes are a pure function of the sizes and the dtype)."""
-        key = (problem, act_dtype)
-        shapes = self._shapes.get(key)
-        if shapes is None:
-            M, N, K, topk = problem.M, problem.N, problem.K, problem.topk
-            dtype = self.compute_dtype(act_dtype)
-            if self.fuse_activation:
-                shapes = WorkspaceShapes((M, topk, N // 2), (M * topk, 0), (M, topk, K), dtype)
-            else:
-                shapes = WorkspaceShapes((M, topk, N), (M * topk, N // 2), (M, topk, K), dtype)
-            if len(self._shapes) > 1024:
-                self._shapes.clear()
-            self._shapes[key] = shapes
-        return shapes
+        """The book's ``(M, topk, N)``, ``(M * topk, N/2)`` and output ``(M, topk, K)`` (fused
+        activation: ``(M, topk, N/2)`` and ``(M * topk, 0)``). Asked per chunk, as in the book;
+        answered from a memo (the shapes are a pure function of the sizes and the dtype)."""
+        book = super().workspace_shapes
+        return _memo(self._shapes, (problem, act_dtype), lambda: self._fused(book(problem, act_dtype=act_dtype)))
 
     def row_workspace_shapes(self, rows: int, problem: ProblemSize, *, act_dtype: torch.dtype) -> WorkspaceShapes:
-        """For a chunk of ``rows`` sorted rows: ``(rows, 1, N)`` and ``(rows, N/2)`` (fused:
-        ``(rows, 1, N/2)`` and ``(rows, 0)``); the output is the whole ``(M, topk, K)``."""
-        N, dtype, out = problem.N, self.compute_dtype(act_dtype), (problem.M, problem.topk, problem.K)
-        if self.fuse_activation:
-            return WorkspaceShapes((rows, 1, N // 2), (rows, 0), out, dtype)
-        return WorkspaceShapes((rows, 1, N), (rows, N // 2), out, dtype)
+        """The book's ``(rows, 1, N)`` and ``(rows, N/2)`` (fused: ``(rows, 1, N/2)`` and ``(rows, 0)``);
+        the output is the whole ``(M, topk, K)``."""
+        return self._fused(super().row_workspace_shapes(rows, problem, act_dtype=act_dtype))
+
+    def _fused(self, shapes: WorkspaceShapes) -> WorkspaceShapes:
+        if not self.fuse_activation:
+            return shapes
+        *lead, N = shapes.workspace13  # GEMM1 writes the activation itself: N/2 wide, no workspace2
+        return replace(shapes, workspace13=(*lead, N // 2), workspace2=(shapes.workspace2[0], 0))
 
     def tile_configs(self, problem: ProblemSize, dtype: torch.dtype) -> tuple[KernelConfig, KernelConfig]:
         """``(GEMM1, GEMM2)`` tiles for this chunk, from :func:`moekit.hopper.configs.get_config`."""
-        tiles = self._tiles.get((problem, dtype))
-        if tiles is None:
-            if len(self._tiles) > 1024:
-                self._tiles.clear()
-            tiles = self._tiles[(problem, dtype)] = self._pick_tiles(problem, dtype)
-        return tiles
+        return _memo(self._tiles, (problem, dtype), lambda: self._pick_tiles(problem, dtype))
 
     def _pick_tiles(self, problem: ProblemSize, dtype: torch.dtype) -> tuple[KernelConfig, KernelConfig]:
         M, N, K, E, topk = problem.M, problem.N, problem.K, problem.global_num_experts, problem.topk
@@ -135,51 +115,18 @@ class HopperTritonExperts(TritonExperts):
             return self._apply(call)
 
     def _apply(self, call: ExpertsCall) -> str:
-        problem, shapes, w = call.problem, call.shapes, call.weights
+        ws13 = carve(call.workspace13, call.shapes.workspace13)
+        ws2 = carve(call.workspace2, call.shapes.workspace2)
+        if call.problem.M == 0:
+            return "triton"
         stream = launch_stream(call.hidden.device)
-        M, N, topk = problem.M, problem.N, problem.topk
-        ws13 = carve(call.workspace13, shapes.workspace13)
-        ws2 = carve(call.workspace2, shapes.workspace2)
-        if M == 0:
-            return "triton"
-        fp8 = self.quant is QuantScheme.FP8_BLOCK
-        cfg1, cfg2 = self.tile_configs(problem, call.hidden.dtype)
-        if call.topk_ids.numel() <= pair_blocks.PAIR_MAX and not (cfg1.persistent or cfg2.persistent):
-            # decode: one pair per block, no align launch (moekit.hopper.pair_blocks)
-            blocks1 = self._pair_blocks(call, cfg1.BLOCK_M)
-            blocks2 = blocks1 if cfg2.BLOCK_M == cfg1.BLOCK_M else self._pair_blocks(call, cfg2.BLOCK_M)
-        else:
-            blocks1 = self._align(call, cfg1.BLOCK_M, stream)
-            blocks2 = blocks1 if cfg2.BLOCK_M == cfg1.BLOCK_M else self._align(call, cfg2.BLOCK_M, stream)
-        static = call.a2_scale.reshape(-1).float() if fp8 and call.a2_scale is not None else None
-        if self.fuse_activation:
-            self._fused(call, ws13, blocks1, blocks2, cfg1, cfg2, static, stream)
-            return "triton"
-        fused_moe_gemm(
-            call.hidden,
-            w.w1,
-            ws13,
-            blocks1,
-            pairs_per_row=topk,
-            config=cfg1,
-            a_scale=call.hidden_scale,
-            w_scale=w.w1_scale,
-            stream=stream,
-            check=False,
-        )
-        act, act_scale = self.activation(call, carve(ws13, (M * topk, N)), ws2)  # the book's step
-        fused_moe_gemm(
-            act,
-            w.w2,
-            call.output,
-            blocks2,
-            pairs_per_row=1,
-            config=cfg2,
-            a_scale=act_scale,
-            w_scale=w.w2_scale,
-            stream=stream,
-            check=False,
-        )
+        cfg1, cfg2 = self.tile_configs(call.problem, call.hidden.dtype)
+        # decode: one pair per block, no align launch (moekit.hopper.pair_blocks)
+        pairs = call.topk_ids.numel() <= pair_blocks.PAIR_MAX and not (cfg1.persistent or cfg2.persistent)
+        blocks1 = self._layout(call, cfg1.BLOCK_M, pairs=pairs, stream=stream)
+        same = cfg2.BLOCK_M == cfg1.BLOCK_M
+        blocks2 = blocks1 if same else self._layout(call, cfg2.BLOCK_M, pairs=pairs, stream=stream)
+        self._gemms(call, ws13, ws2, (cfg1, cfg2), (blocks1, blocks2), (None, None), stream)
         return "triton"
 
     def apply_rows(self, call: ExpertsCall) -> str:
@@ -191,64 +138,44 @@ class HopperTritonExperts(TritonExperts):
             return self._apply_rows(call)
 
     def _apply_rows(self, call: ExpertsCall) -> str:
-        p, w, chunk = call.problem, call.weights, call.chunk
-        stream = launch_stream(call.hidden.device)
-        layout = chunk.layout
-        R, N, H = chunk.size, p.N, p.N // 2
+        chunk = call.chunk
         ws13 = carve(call.workspace13, call.shapes.workspace13)
-        cfg1, cfg2 = self.tile_configs(p, call.hidden.dtype)
+        ws2 = carve(call.workspace2, call.shapes.workspace2)
+        configs = self.tile_configs(call.problem, call.hidden.dtype)
         gather = RowWindow(chunk.start, chunk.end, read="pair", write="position")
         scatter = RowWindow(chunk.start, chunk.end, read="position", write="pair")
-        fp8 = self.quant is QuantScheme.FP8_BLOCK
-        static = call.a2_scale.reshape(-1).float() if fp8 and call.a2_scale is not None else None  # per tensor
-        scales1 = dict(a_scale=call.hidden_scale, w_scale=w.w1_scale, stream=stream, check=False)
-        if self.fuse_activation:
-            if fp8:
-                q, scale = _fp8_views(ws13, R, H)
-                gated = GatedOutput(out_scale=scale, static_scale=static)
-                fused_moe_gemm(
-                    call.hidden,
-                    w.w1,
-                    carve(q, (R, 1, H)),
-                    layout,
-                    pairs_per_row=p.topk,
-                    config=cfg1,
-                    gated=gated,
-                    chunk=gather,
-                    **scales1,
-                )
-                act, kw = q, dict(a_scale=scale, w_scale=w.w2_scale)
-            else:
-                act, kw = carve(ws13, (R, H)), {}
-                fused_moe_gemm(
-                    call.hidden,
-                    w.w1,
-                    ws13,
-                    layout,
-                    pairs_per_row=p.topk,
-                    config=cfg1,
-                    gated=GatedOutput(),
-                    chunk=gather,
-                    stream=stream,
-                    check=False,
-                )
-        else:
-            fused_moe_gemm(call.hidden, w.w1, ws13, layout, pairs_per_row=p.topk, config=cfg1, chunk=gather, **scales1)
-            act, act_scale = self.activation(call, carve(ws13, (R, N)), carve(call.workspace2, call.shapes.workspace2))
-            kw = {} if act_scale is None else dict(a_scale=act_scale, w_scale=w.w2_scale)
-        fused_moe_gemm(
-            act,
-            w.w2,
-            call.output,
-            layout,
-            pairs_per_row=1,
-            config=cfg2,
-            chunk=scatter,
-            stream=stream,
-            check=False,
-            **kw,
-        )
+        stream = launch_stream(call.hidden.device)
+        self._gemms(call, ws13, ws2, configs, (chunk.layout, chunk.layout), (gather, scatter), stream)
         return "triton"
+
+    def _gemms(self, call: ExpertsCall, ws13, ws2, configs: tuple, blocks: tuple, windows: tuple, stream) -> None:
+        """GEMM1 (with silu_and_mul, and the fp8 requantization, in its epilogue when fused), the
+        book's activation step otherwise, then GEMM2; ``R`` rows of (token, slot) pairs or positions.
+        ``configs``, ``blocks`` and ``windows`` hold GEMM1's, then GEMM2's."""
+        p, w = call.problem, call.weights
+        R, H = call.shapes.workspace2[0], p.N // 2
+        cfg1, cfg2 = configs
+        out1, gated = ws13, None
+        if self.fuse_activation and call.hidden.dtype == FP8:
+            # fp8 [R, H] values, then fp32 [R, H/128] scales, in workspace13's bf16 bytes
+            act = carve(ws13, (R, H), dtype=FP8)
+            act_scale = carve(ws13, (R, H // FP8_GROUP), dtype=torch.float32, offset=R * H // 2)
+            static = call.a2_scale.reshape(-1).float() if call.a2_scale is not None else None
+            div = p.topk if static is not None and static.numel() > 1 else 1  # a per-token scale
+            out1 = carve(act, call.shapes.workspace13)
+            gated = GatedOutput(out_scale=act_scale, static_scale=static, static_div=div)
+        elif self.fuse_activation:
+            act, act_scale, gated = carve(ws13, (R, H)), None, GatedOutput()
+        args1 = dict(a_scale=call.hidden_scale, w_scale=w.w1_scale, gated=gated, chunk=windows[0])
+        fused_moe_gemm(
+            call.hidden, w.w1, out1, blocks[0], pairs_per_row=p.topk, config=cfg1, **args1, stream=stream, check=False
+        )
+        if not self.fuse_activation:
+            act, act_scale = self.activation(call, carve(ws13, (R, p.N)), ws2)  # the book's step
+        args2 = dict(a_scale=act_scale, w_scale=w.w2_scale, chunk=windows[1])
+        fused_moe_gemm(
+            act, w.w2, call.output, blocks[1], pairs_per_row=1, config=cfg2, **args2, stream=stream, check=False
+        )
 
     def count_tokens(self, topk_ids: torch.Tensor, placement: ExpertPlacement) -> torch.Tensor:
         """The book's count kernel, launched lean (:func:`moekit.hopper.launch.run_lean`)."""
@@ -265,89 +192,20 @@ class HopperTritonExperts(TritonExperts):
         return act, scale
 
     @staticmethod
-    def _pair_blocks(call: ExpertsCall, block_m: int) -> PairBlocks:
+    def _layout(call: ExpertsCall, block_m: int, *, pairs: bool, stream) -> AlignedBlocks | PairBlocks:
         placement = call.placement
-        return launch_pair_blocks(
-            call.topk_ids,
-            block_m,
-            placement.global_num_experts,
-            placement.expert_map,
-            num_local_experts=placement.num_local_experts,
-        )
-
-    @staticmethod
-    def _align(call: ExpertsCall, block_m: int, stream) -> AlignedBlocks:
+        args = (call.topk_ids, block_m, placement.global_num_experts, placement.expert_map)
+        if pairs:
+            return launch_pair_blocks(*args, num_local_experts=placement.num_local_experts)
         # keep_empty: empty slots get zero rows too, so every element of the output is written.
-        placement = call.placement
-        return launch_align(
-            call.topk_ids,
-            block_m,
-            placement.global_num_experts,
-            placement.expert_map,
-            num_local_experts=placement.num_local_experts,
-            keep_empty=True,
-            stream=stream,
-        )
-
-    def _fused(self, call, ws13, blocks1, blocks2, cfg1, cfg2, static, stream) -> None:
-        """GEMM1 with silu_and_mul (and fp8 requantization) in its epilogue, then GEMM2."""
-        w, topk = call.weights, call.problem.topk
-        M, H = call.problem.M, call.problem.N // 2
-        if call.hidden.dtype != FP8:
-            act = carve(ws13, (M, topk, H))
-            fused_moe_gemm(
-                call.hidden,
-                w.w1,
-                act,
-                blocks1,
-                pairs_per_row=topk,
-                config=cfg1,
-                gated=GatedOutput(),
-                stream=stream,
-                check=False,
-            )
-            fused_moe_gemm(
-                carve(ws13, (M * topk, H)),
-                w.w2,
-                call.output,
-                blocks2,
-                pairs_per_row=1,
-                config=cfg2,
-                stream=stream,
-                check=False,
-            )
-            return
-        q, scale = _fp8_views(ws13, M * topk, H)
-        div = topk if static is not None and static.numel() > 1 else 1
-        fused_moe_gemm(
-            call.hidden,
-            w.w1,
-            carve(q, (M, topk, H)),
-            blocks1,
-            pairs_per_row=topk,
-            config=cfg1,
-            a_scale=call.hidden_scale,
-            w_scale=w.w1_scale,
-            gated=GatedOutput(out_scale=scale, static_scale=static, static_div=div),
-            stream=stream,
-            check=False,
-        )
-        fused_moe_gemm(
-            q,
-            w.w2,
-            call.output,
-            blocks2,
-            pairs_per_row=1,
-            config=cfg2,
-            a_scale=scale,
-            w_scale=w.w2_scale,
-            stream=stream,
-            check=False,
-        )
+        return launch_align(*args, num_local_experts=placement.num_local_experts, keep_empty=True, stream=stream)
 
 
-def _fp8_views(buffer: torch.Tensor, R: int, H: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp8 ``[R, H]`` values, then fp32 ``[R, H/128]`` scales, carved from a bf16 buffer's bytes."""
-    q = carve(buffer, (R, H), dtype=FP8)
-    scale = carve(buffer, (R, H // FP8_GROUP), dtype=torch.float32, offset=R * H // 2)
-    return q, scale
+def _memo(cache: dict, key, make):
+    """``cache[key]``, made on a miss; the cache is emptied past 1024 keys (keys that follow M)."""
+    value = cache.get(key)
+    if value is None:
+        if len(cache) > 1024:
+            cache.clear()
+        value = cache[key] = make()
+    return value

@@ -191,11 +191,6 @@ class LeanLauncher:
                 "name every dtype, alignment and integer specialization that changes between launches"
             )
 
-    def clear(self) -> None:
-        """Forget every kept variant (the next launch of each key binds again)."""
-        with self._lock:
-            self._variants.clear()
-
 
 def _with_pdl(constexprs: Callable[[], dict], on: bool) -> Callable[[], dict]:
     return lambda: dict(constexprs(), PDL=on, launch_pdl=True) if on else dict(constexprs(), PDL=False)
@@ -205,11 +200,6 @@ def _hooked() -> bool:
     """Whether a launch hook listens (a profiler): then every launch takes Triton's own path."""
     hook = _RUNTIME.launch_enter_hook  # an empty HookChain in 3.6-3.9 (None in older ones: no lean path there)
     return hook is not None and bool(getattr(hook, "calls", True))
-
-
-def aligned(*tensors: torch.Tensor | None) -> bool:
-    """Whether every given tensor's address is a multiple of 16 bytes (Triton specializes on it)."""
-    return all(t is None or t.data_ptr() % 16 == 0 for t in tensors)
 
 
 def int_spec(value: int) -> int:
@@ -253,7 +243,6 @@ def run_lean(launch, *, stream: tuple[int, int] | None = None) -> None:
 __all__ = [
     "LaunchKeyError",
     "LeanLauncher",
-    "aligned",
     "int_spec",
     "launch_key",
     "launch_stream",

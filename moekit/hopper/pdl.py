@@ -16,8 +16,8 @@ Nothing touches global memory before the wait, so each kernel's loads and stores
 after the previous kernel's have all finished, exactly as without the attribute: only the
 launch and the programs' start overlap the previous kernel's tail.
 
-The persistent GEMM (``_persistent_moe_kernel`` in ``moekit.hopper.grouped_gemm``, the large-M tiles)
-is launched without it.
+The grouped GEMM's persistent walk (``moekit.hopper.grouped_gemm``, the large-M tiles) is launched
+without it.
 With it, that kernel alone ran 7-11% slower in the profiler (Qwen3 M=16384 with the fused
 activation, 2.00-2.03 -> 2.17-2.24 ms) whether it let the next kernel launch at its start or only
 at its exit, and the layer with the fused activation up to 7% slower at M = 4096-32768; launched

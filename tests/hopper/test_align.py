@@ -77,8 +77,8 @@ def test_limits_pick_the_launches():
 
 
 def test_launchers():
-    """PDL on the one-launch kernels only: the book's kernels take no PDL constexpr."""
-    assert wing._SMALL.pdl and wing._MEDIUM.pdl
+    """PDL on the one-launch kernel only: the book's kernels take no PDL constexpr."""
+    assert wing._ONE_LAUNCH.pdl
     assert not (wing._COUNT.pdl or wing._SCAN.pdl or wing._SCATTER.pdl)
     assert wing._COUNT.fn is book.align_count_kernel and wing._SCATTER.fn is book.align_scatter_kernel
 

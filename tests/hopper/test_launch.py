@@ -121,10 +121,8 @@ def test_verifying_catches_a_key_that_misses_a_specialization(lean, monkeypatch)
     assert fn.log[-1][0] == "direct"
 
 
-def test_int_spec_and_alignment_follow_tritons_classes():
+def test_int_spec_follows_tritons_classes():
     assert [L.int_spec(v) for v in (1, 16, 32, 7, 0, 2**31, -(2**31) - 1)] == [1, 16, 16, 0, 16, 80, 64]
-    x = torch.empty(64, dtype=torch.float32)
-    assert L.aligned(x, None) and not L.aligned(x[1:])
 
 
 def test_a_book_launch_runs_lean_with_the_same_result(device):

@@ -19,7 +19,7 @@ from moekit.hopper import launch as L
 
 # The wing's own kernels carry PDL; the book's kernels (count, scan, scatter, activation, reduce)
 # launch as the tutorials do, without it.
-PDL_LAUNCHERS = {"align small": align._SMALL, "align medium": align._MEDIUM, "gemm": fused_moe._GEMM}
+PDL_LAUNCHERS = {"align": align._ONE_LAUNCH, "gemm": fused_moe._GEMM}
 
 
 MEMORY_OPS = {"load", "store", "atomic_add", "atomic_max", "atomic_min", "atomic_cas", "atomic_xchg", "gather"}
@@ -46,11 +46,24 @@ def test_every_pdl_kernel_waits_before_it_touches_memory(name):
         assert not touched and "desc" not in ast.unparse(st), f"{name}: {ast.unparse(st)!r} before the wait"
 
 
-def test_the_persistent_gemm_is_launched_without_it():
-    """It ran 7-11% slower with it on the H200 (moekit.hopper.pdl); kernels after it still may carry it."""
-    assert not fused_moe._PERSISTENT.pdl
-    fn = fused_moe._persistent_moe_kernel
-    assert "PDL" not in inspect.signature(getattr(fn, "fn", fn)).parameters
+def test_the_persistent_gemm_is_launched_without_it(monkeypatch, device):
+    """It ran 7-11% slower with it on the H200 (moekit.hopper.pdl); kernels after it still may carry it.
+    Where PDL is on, the one-program-per-tile launch passes it and the persistent walk does not."""
+    from moekit.hopper.configs import KernelConfig
+    from moekit.kernels.align import moe_align_block_size
+
+    assert not fused_moe._PERSISTENT.pdl and fused_moe._GEMM.pdl
+    monkeypatch.setattr(pdl, "active", lambda index: True)  # as on a Hopper GPU
+    seen = []
+    monkeypatch.setattr(L.LeanLauncher, "_plain", lambda self, grid, args, key, consts: seen.append(consts))
+    a, w = torch.randn(8, 128, device=device), torch.randn(2, 64, 128, device=device)
+    blocks = moe_align_block_size(torch.randint(0, 2, (8, 1), dtype=torch.int32, device=device), 16, 2)
+    for persistent in (False, True):  # nothing runs: the launches are only recorded
+        cfg = KernelConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, persistent=persistent)
+        fused_moe.fused_moe_gemm(a, w, torch.empty(8, 1, 64, device=device), blocks, pairs_per_row=1, config=cfg)
+    one, walk = seen
+    assert one["PDL"] and one["launch_pdl"] and one["META"].NUM_SMS == 0
+    assert "PDL" not in walk and "launch_pdl" not in walk and walk["META"].NUM_SMS > 0
 
 
 @pytest.mark.parametrize("rows, on", [(pdl.MAX_ROWS, True), (pdl.MAX_ROWS + 1, False)])
@@ -151,4 +164,3 @@ def test_the_layer_gives_the_same_bits_with_and_without_it(quant):
     for _ in range(3):  # captured with the programmatic edges, then replayed
         torch.testing.assert_close(graphed(*p.inputs(), **p.options()), eager, rtol=0, atol=0)
     assert graphed.last_mode == "replayed"
-
