@@ -60,12 +60,13 @@ from types import ModuleType
 
 import torch
 
-from moekit.errors import BackendUnavailableError
+from moekit.errors import BackendUnavailableError, InvalidInputError
 
-_APIS = (  # (api, gemm, alignment); v2 first: v2 keeps a 1.0-style alias for the alignment only
-    ("v2", "m_grouped_fp8_gemm_nt_contiguous", "get_mk_alignment_for_contiguous_layout"),
-    ("1.0", "m_grouped_gemm_fp8_fp8_bf16_nt_contiguous", "get_m_alignment_for_contiguous_layout"),
-)
+_APIS = {  # api -> (gemm, alignment); v2 first: v2 keeps a 1.0-style alias for the alignment only
+    "v2": ("m_grouped_fp8_gemm_nt_contiguous", "get_mk_alignment_for_contiguous_layout"),
+    "1.0": ("m_grouped_gemm_fp8_fp8_bf16_nt_contiguous", "get_m_alignment_for_contiguous_layout"),
+}
+_KNOWN_GEMMS = ", ".join(gemm for gemm, _ in _APIS.values())
 _HEADER_DIRS = ("deep_gemm", "cute", "cutlass")
 
 
@@ -80,17 +81,10 @@ class DeepGemmStatus:
 
 def detect_api(module: object) -> str | None:
     """``"v2"``, ``"1.0"`` or None: which known contiguous-GEMM API ``module`` exposes."""
-    for api, gemm, _ in _APIS:
+    for api, (gemm, _) in _APIS.items():
         if callable(getattr(module, gemm, None)):
             return api
     return None
-
-
-def _names(api: str) -> tuple[str, str]:
-    for name, gemm, align in _APIS:
-        if name == api:
-            return gemm, align
-    raise BackendUnavailableError(f"unknown deep_gemm api {api!r}; expected one of {[a[0] for a in _APIS]}")
 
 
 def _missing_headers(package_dir: Path) -> str | None:
@@ -115,20 +109,20 @@ def _probe() -> tuple[DeepGemmStatus, ModuleType | None]:
     try:
         spec = importlib.util.find_spec("deep_gemm")
     except (ImportError, ValueError) as e:
-        return DeepGemmStatus(False, f"deep_gemm cannot be located: {e}"), None
+        return _no(f"deep_gemm cannot be located: {e}")
     if spec is None:
         return _no("deep_gemm is not installed (moekit uses its Triton contiguous GEMM)")
     locations = list(spec.submodule_search_locations or [])
     if not locations:
-        return DeepGemmStatus(False, f"deep_gemm at {spec.origin} is not a package"), None
+        return _no(f"deep_gemm at {spec.origin} is not a package")
     missing = _missing_headers(Path(locations[0]))
     if missing:
-        return DeepGemmStatus(False, missing), None
+        return _no(missing)
 
     from moekit import device
 
     if device.get_device().type != "cuda":
-        return DeepGemmStatus(False, "no CUDA device: moekit runs on the CPU (Triton interpreter)"), None
+        return _no("no CUDA device: moekit runs on the CPU (Triton interpreter)")
     major, minor = torch.cuda.get_device_capability()
     gpu = torch.cuda.get_device_name()
     if major != 9:
@@ -136,14 +130,13 @@ def _probe() -> tuple[DeepGemmStatus, ModuleType | None]:
     try:
         module = importlib.import_module("deep_gemm")
     except Exception as e:  # a broken install raises anything (ImportError, AssertionError, OSError...)
-        return DeepGemmStatus(False, f"import deep_gemm failed: {type(e).__name__}: {e}"), None
+        return _no(f"import deep_gemm failed: {type(e).__name__}: {e}")
     api = detect_api(module)
     if api is None:
-        known = ", ".join(gemm for _, gemm, _ in _APIS)
-        return DeepGemmStatus(False, f"deep_gemm has none of the known contiguous GEMMs ({known})"), None
+        return _no(f"deep_gemm has none of the known contiguous GEMMs ({_KNOWN_GEMMS})")
     missing_tool = jit_problem(api)
     if missing_tool:
-        return DeepGemmStatus(False, missing_tool), None
+        return _no(missing_tool)
     version = getattr(module, "__version__", "unknown version")
     return DeepGemmStatus(True, f"deep_gemm {version} ({api} API) on {gpu}", api), module
 
@@ -199,8 +192,7 @@ class DeepGemmBackend:
       removes its own routing, whatever the order.
     """
 
-    def __init__(self, probe=None):
-        self._probe = probe or _probe
+    def __init__(self):
         self._lock = threading.RLock()
         self._probed: _Routing | None = None
         self._given: list[_Routing] = []  # use() blocks, innermost last
@@ -211,18 +203,16 @@ class DeepGemmBackend:
                 return self._given[-1]
             if self._probed is None:
                 try:
-                    st, module = self._probe()
+                    st, module = _probe()
                 except Exception as e:  # status() must never raise
-                    st, module = DeepGemmStatus(False, f"detection failed: {type(e).__name__}: {e}"), None
+                    st, module = _no(f"detection failed: {type(e).__name__}: {e}")
                 self._probed = _Routing(st, module)
             return self._probed
 
     def status(self, *, refresh: bool = False) -> DeepGemmStatus:
         """Whether a usable deep_gemm is installed here (cached; ``refresh=True`` probes again and
         forgets the shapes that failed to build; a :meth:`use` block in force stays in force)."""
-        if not isinstance(refresh, bool):
-            from moekit.errors import InvalidInputError
-
+        if not isinstance(refresh, bool):  # not validate.check_flag: the checks are counted per forward
             raise InvalidInputError(f"refresh must be True or False, got {refresh!r}")
         with self._lock:
             if refresh:
@@ -240,8 +230,7 @@ class DeepGemmBackend:
         """
         api = detect_api(module)
         if api is None:
-            known = [gemm for _, gemm, _ in _APIS]
-            raise BackendUnavailableError(f"{module!r} exposes none of the known contiguous GEMMs ({known})")
+            raise BackendUnavailableError(f"{module!r} exposes none of the known contiguous GEMMs ({_KNOWN_GEMMS})")
         mine = _Routing(DeepGemmStatus(True, reason, api), module)
         with self._lock:
             self._given.append(mine)
@@ -261,7 +250,20 @@ class DeepGemmBackend:
         return _usable(self._routing())
 
     def grouped_gemm_contiguous(self, a, a_scale, b, b_scale, out, m_indices) -> torch.Tensor:
-        """See the module-level :func:`grouped_gemm_contiguous`."""
+        """``out[r] = (a[r] * a_scale[r]) @ (b[m_indices[r]] * b_scale[m_indices[r]]).T`` by deep_gemm.
+
+        Args:
+            a: fp8 ``[M_sum, K]``, rows grouped by expert, each group padded to 128 rows.
+            a_scale: fp32 ``[M_sum, K/128]``, column-major storage (rows padded to a multiple of 4).
+            b: fp8 ``[E, N, K]``. b_scale: fp32 ``[E, N/128, K/128]``.
+            out: bf16 ``[M_sum, N]``, written in place and returned.
+            m_indices: int32 ``[M_sum]``, the expert of every row; constant over each 128-row block
+                and never -1 (1.0 reads out of bounds on a block whose first row is -1).
+
+        Raises:
+            BackendUnavailableError: deep_gemm cannot run here, or cannot build a kernel for this
+                shape (the message says why; the shape is remembered and never compiled again).
+        """
         routing = self._routing()  # one routing for the whole call, even if a use() block ends meanwhile
         module, api = _usable(routing)
         N, K = int(b.shape[1]), int(b.shape[2])
@@ -270,7 +272,7 @@ class DeepGemmBackend:
         if known is not None:
             raise BackendUnavailableError(known)
         try:
-            getattr(module, _names(api)[0])((a, a_scale), (b, b_scale), out, m_indices)
+            getattr(module, _APIS[api][0])((a, a_scale), (b, b_scale), out, m_indices)
         except Exception as e:
             if not _is_build_failure(e):
                 raise
@@ -293,6 +295,7 @@ BACKEND = DeepGemmBackend()  # this process's deep_gemm
 status = BACKEND.status
 use = BACKEND.use
 build_failure = BACKEND.build_failure
+grouped_gemm_contiguous = BACKEND.grouped_gemm_contiguous
 
 
 _BUILD_ERROR = re.compile(r"nvcc|compil|static assert|Misaligned barriers|ptxas", re.IGNORECASE)
@@ -307,32 +310,7 @@ def _is_build_failure(e: BaseException) -> bool:
 def m_alignment() -> int:
     """Rows per block of the contiguous layout (128 on Hopper). Raises if deep_gemm is unusable."""
     module, api = BACKEND.module()
-    return int(getattr(module, _names(api)[1])())
-
-
-def grouped_gemm_contiguous(
-    a: torch.Tensor,
-    a_scale: torch.Tensor,
-    b: torch.Tensor,
-    b_scale: torch.Tensor,
-    out: torch.Tensor,
-    m_indices: torch.Tensor,
-) -> torch.Tensor:
-    """``out[r] = (a[r] * a_scale[r]) @ (b[m_indices[r]] * b_scale[m_indices[r]]).T`` by deep_gemm.
-
-    Args:
-        a: fp8 ``[M_sum, K]``, rows grouped by expert, each group padded to 128 rows.
-        a_scale: fp32 ``[M_sum, K/128]``, column-major storage (rows padded to a multiple of 4).
-        b: fp8 ``[E, N, K]``. b_scale: fp32 ``[E, N/128, K/128]``.
-        out: bf16 ``[M_sum, N]``, written in place and returned.
-        m_indices: int32 ``[M_sum]``, the expert of every row; constant over each 128-row block
-            and never -1 (1.0 reads out of bounds on a block whose first row is -1).
-
-    Raises:
-        BackendUnavailableError: deep_gemm cannot run here, or cannot build a kernel for this
-            shape (the message says why; the shape is remembered and never compiled again).
-    """
-    return BACKEND.grouped_gemm_contiguous(a, a_scale, b, b_scale, out, m_indices)
+    return int(getattr(module, _APIS[api][1])())
 
 
 __all__ = [

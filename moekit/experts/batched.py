@@ -22,6 +22,7 @@ import torch
 from moekit.errors import InvalidInputError, QuantizationError, StaleMetadataError
 from moekit.experts.base import Experts, carve
 from moekit.quant import FP8, dequantize_fp8_block, dequantize_fp8_per_token_group
+from moekit.reference import silu_and_mul
 from moekit.types import (
     ActivationFormat,
     ExpertsCall,
@@ -107,7 +108,7 @@ class NaiveBatchedExperts(_BatchedExperts):
         """Compute ``output[e, :n_e]`` for every local expert with tokens; returns ``"torch"``."""
         meta = self._counts(call)
         fp8 = self.quant is QuantScheme.FP8_BLOCK
-        T, N = call.problem.M, call.problem.N
+        T = call.problem.M
         ws13 = carve(call.workspace13, call.shapes.workspace13)
         ws2 = carve(call.workspace2, call.shapes.workspace2)
         counts = meta.expert_num_tokens if meta.expert_num_tokens_cpu is None else meta.expert_num_tokens_cpu
@@ -124,8 +125,7 @@ class NaiveBatchedExperts(_BatchedExperts):
             else:
                 x, w1, w2 = call.hidden[e, :n].float(), w.w1[e].float(), w.w2[e].float()
             ws13[e, :n] = x @ w1.t()
-            h = ws13[e, :n].float()
-            ws2[e, :n] = torch.nn.functional.silu(h[:, : N // 2]) * h[:, N // 2 :]
+            ws2[e, :n] = silu_and_mul(ws13[e, :n].float())
             call.output[e, :n] = ws2[e, :n].float() @ w2.t()
         return "torch"
 

@@ -27,17 +27,15 @@ fix (parent commit 41060c6e0), for the notebook that replays bug 1.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from moekit.backends import deep_gemm as dg
 from moekit.errors import BackendUnavailableError, InvalidInputError, QuantizationError, StaleMetadataError
 from moekit.experts.base import Experts, carve
+from moekit.kernels import permute
 from moekit.kernels.activation import launch_silu_and_mul_fp8_group
 from moekit.kernels.contiguous_gemm import GemmConfig, contiguous_gemm, default_config
-from moekit.kernels.permute import ContiguousLayout, launch_permute, unpermute_from_contiguous
-from moekit.kernels.positions import gather_positions, scatter_positions
+from moekit.kernels.host_math import cdiv
 from moekit.quant import FP8, FP8_GROUP
 from moekit.types import (
     ALIGN_M,
@@ -51,46 +49,23 @@ from moekit.types import (
 from moekit.validate import check_flag
 
 BACKENDS = ("auto", "deep_gemm", "triton")
-# (GEMM1 real, GEMM2 real) -> the backend name in the trace
-_BACKEND_NAMES = {(True, True): "deep_gemm", (False, False): "deep_gemm[triton]",
-                  (False, True): "deep_gemm[triton GEMM1]", (True, False): "deep_gemm[triton GEMM2]"}  # fmt: skip
 
 
-def _gemm1(N: int, K: int) -> tuple[int, int]:
-    """(N, K) of GEMM1 as deep_gemm builds it: ``[*, K] x [N, K]^T``."""
-    return N, K
-
-
-def _gemm2(N: int, K: int) -> tuple[int, int]:
-    """(N, K) of GEMM2: ``[*, N/2] x [K, N/2]^T``."""
-    return K, N // 2
-
-
-def _round_up(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
+def _gemm_shapes(N: int, K: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """``(N, K)`` of GEMM1 ``[*, K] x [N, K]^T`` and of GEMM2 ``[*, N/2] x [K, N/2]^T``, as deep_gemm builds them."""
+    return (N, K), (K, N // 2)
 
 
 def _index_bytes(M_sum: int, pairs: int, E: int) -> list[int]:
     """Bytes of m_indices, inv_perm, block_rows, expert_start, cursor, flags (16-aligned)."""
-    return [_round_up(4 * n, 16) for n in (M_sum, pairs, M_sum // ALIGN_M, E + 1, E, 1)]
+    return [cdiv(4 * n, 16) * 16 for n in permute.index_sizes(M_sum, pairs, E)]
 
 
-def _fp8_region(raw: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp8 ``[rows, cols]`` then its column-major 1x128 scales ``[cols/128, rows]``, from byte 0."""
-    groups = math.ceil(cols / FP8_GROUP)
-    q = raw[: rows * cols].view(FP8).view(rows, cols)
-    scale = raw[rows * cols : rows * cols + 4 * groups * rows].view(torch.float32).view(groups, rows)
+def _fp8_region(ws2: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 ``[rows, cols]`` from workspace2's first byte, then its column-major 1x128 scales ``[cols/128, rows]``."""
+    q = carve(ws2, (rows, cols), dtype=FP8)
+    scale = carve(ws2, (cdiv(cols, FP8_GROUP), rows), dtype=torch.float32, offset=rows * cols // ws2.element_size())
     return q, scale.t()
-
-
-def stale_counts_message(total: int, M: int, topk: int) -> str:
-    return (
-        f"tokens_meta counts {total} (token, slot) pairs for this rank's experts, but this call has "
-        f"only M*topk = {M} tokens x {topk} slots = {M * topk} pairs. The counts describe a larger "
-        "batch: whole-batch expert_num_tokens were handed to a chunk (bug 2 of vLLM PR #20392). "
-        "Sizing the layout from them would be wrong; recount per chunk "
-        "(ModularKernel(metadata_policy='per_chunk'))."
-    )
 
 
 # Padding work (multiply-adds) above which one host sync to skip it pays (see _rows_in_use).
@@ -136,17 +111,13 @@ class DeepGemmExperts(Experts):
         return f"DeepGemmExperts(backend={self.backend!r}{flat})"
 
     # ----------------------------------------------------------------------------------------
-    def _real_deep_gemm(self, N: int, K: int) -> bool:
-        """Whether both GEMMs go to the real deep_gemm: GEMM1 ``[*, K] x [N, K]^T``, GEMM2
-        ``[*, N/2] x [K, N/2]^T``."""
-        return not self._fallback_reason(N, K)
-
     def _real_gemms(self, N: int, K: int) -> tuple[bool, bool]:
         """Whether GEMM1 and GEMM2 each go to the real deep_gemm. Decided per GEMM shape: a shape that
         deep_gemm failed to build here stays on moekit's Triton GEMM, the other GEMM does not."""
         if self._layer_reason(N, K):
             return False, False
-        return dg.build_failure(*_gemm1(N, K)) is None, dg.build_failure(*_gemm2(N, K)) is None
+        gemm1, gemm2 = (dg.build_failure(*shape) is None for shape in _gemm_shapes(N, K))
+        return gemm1, gemm2
 
     def _layer_reason(self, N: int, K: int) -> str:
         """Why neither GEMM of this layer can run on the real deep_gemm, or ""."""
@@ -158,24 +129,24 @@ class DeepGemmExperts(Experts):
             return dg.status().reason
         return ""
 
-    def _fallback_reason(self, N: int, K: int) -> str:
+    def backend_for(self, problem: ProblemSize) -> str:
+        """``"deep_gemm"`` (both GEMMs real), ``"deep_gemm[triton]"`` (both on moekit's Triton GEMM), or
+        ``"deep_gemm[triton GEMM1]"`` / ``"deep_gemm[triton GEMM2]"`` (one GEMM's shape fell back)."""
+        real1, real2 = self._real_gemms(problem.N, problem.K)
+        if real1 == real2:
+            return "deep_gemm" if real1 else "deep_gemm[triton]"
+        return f"deep_gemm[triton GEMM{2 if real1 else 1}]"
+
+    def why(self, problem: ProblemSize) -> str:
         """ "" when the real deep_gemm runs both GEMMs of this shape, else why moekit's Triton GEMM
-        runs one (the failed build's message) or both."""
-        reason = self._layer_reason(N, K)
+        runs one (the failed build's message) or both; with ``backend="deep_gemm"`` that raises."""
+        reason = self._layer_reason(problem.N, problem.K)
         if not reason:
-            failed = (dg.build_failure(*_gemm1(N, K)), dg.build_failure(*_gemm2(N, K)))
+            failed = [dg.build_failure(*shape) for shape in _gemm_shapes(problem.N, problem.K)]
             reason = "; ".join(f"GEMM{i + 1} on Triton: {why}" for i, why in enumerate(failed) if why)
         if reason and self.backend == "deep_gemm":
             raise BackendUnavailableError(f"backend='deep_gemm' asked for, but {reason}")
         return reason
-
-    def backend_for(self, problem: ProblemSize) -> str:
-        """``"deep_gemm"`` (both GEMMs real), ``"deep_gemm[triton]"`` (both on moekit's Triton GEMM), or
-        ``"deep_gemm[triton GEMM1]"`` / ``"deep_gemm[triton GEMM2]"`` (one GEMM's shape fell back)."""
-        return _BACKEND_NAMES[self._real_gemms(problem.N, problem.K)]
-
-    def why(self, problem: ProblemSize) -> str:
-        return self._fallback_reason(problem.N, problem.K)
 
     def check(self, problem: ProblemSize, weights: MoEWeights, *, a2_scale: torch.Tensor | None = None) -> None:
         """N and K multiples of 128 (the layout's blocks); a per-tensor a2_scale only."""
@@ -190,20 +161,19 @@ class DeepGemmExperts(Experts):
                 f"DeepGemmExperts takes a per-tensor a2_scale (1 element) or None, got shape "
                 f"{tuple(a2_scale.shape)}: rows are permuted by expert, so per-token scales would need permuting"
             )
-        self._real_deep_gemm(problem.N, problem.K)  # backend="deep_gemm" with a shape it cannot run: raise now
+        self.why(problem)  # backend="deep_gemm" with a shape it cannot run: raise now
 
     def num_rows(self, problem: ProblemSize, tokens_meta: ExpertTokensMetadata | None = None) -> int:
         """M_sum: rows of the contiguous layout for this call (see the module docstring)."""
         pairs = problem.M * problem.topk
         cpu = tokens_meta.expert_num_tokens_cpu if tokens_meta is not None else None
         if cpu is None:
-            return _round_up(pairs + (ALIGN_M - 1) * min(problem.num_local_experts, pairs), ALIGN_M)
+            return cdiv(pairs + (ALIGN_M - 1) * min(problem.num_local_experts, pairs), ALIGN_M) * ALIGN_M
         if cpu.numel() != problem.num_local_experts:
             raise InvalidInputError(
                 f"tokens_meta has {cpu.numel()} counts, expected one per local expert ({problem.num_local_experts})"
             )
-        counts = cpu.to(torch.int64)
-        return int(((counts + ALIGN_M - 1) // ALIGN_M * ALIGN_M).sum())
+        return int(((cpu.long() + ALIGN_M - 1) // ALIGN_M).sum()) * ALIGN_M
 
     def workspace_shapes(
         self,
@@ -215,43 +185,39 @@ class DeepGemmExperts(Experts):
         """``(M_sum, max(N, K))``, ``(M_sum + R_idx, max(N/2, K))``, output ``(M, topk, K)``, bf16
         (``(M * topk, K)`` with ``flat_output``). M_sum follows the CPU counts when given."""
         M_sum = self.num_rows(problem, tokens_meta)
-        W2 = max(problem.N // 2, problem.K)
-        idx = sum(_index_bytes(M_sum, problem.M * problem.topk, problem.num_local_experts))
-        R_idx = math.ceil(idx / (2 * W2))
-        pairs, K = problem.M * problem.topk, problem.K
-        out = (pairs, K) if self.flat_output else (problem.M, problem.topk, K)
-        return WorkspaceShapes((M_sum, max(problem.N, K)), (M_sum + R_idx, W2), out, torch.bfloat16)
+        index_bytes = sum(_index_bytes(M_sum, problem.M * problem.topk, problem.num_local_experts))
+        return self._shapes(M_sum, index_bytes, problem)
 
     def row_workspace_shapes(self, rows: int, problem: ProblemSize, *, act_dtype: torch.dtype) -> WorkspaceShapes:
         """For a chunk of ``rows`` sorted rows (a multiple of 128, already the contiguous layout):
         ``(rows, max(N, K))``, ``(rows + R_idx, max(N/2, K))`` (R_idx rows hold m_indices and
         block_rows), the whole output ``(M, topk, K)``, bf16."""
-        W2 = max(problem.N // 2, problem.K)
-        R_idx = math.ceil((4 * rows + 4 * (rows // ALIGN_M) + 64) / (2 * W2))
-        pairs, K = problem.M * problem.topk, problem.K
-        out = (pairs, K) if self.flat_output else (problem.M, problem.topk, K)
-        return WorkspaceShapes((rows, max(problem.N, K)), (rows + R_idx, W2), out, torch.bfloat16)
+        return self._shapes(rows, 4 * rows + 4 * (rows // ALIGN_M) + 64, problem)
+
+    def _shapes(self, rows: int, index_bytes: int, problem: ProblemSize) -> WorkspaceShapes:
+        """workspace13 ``(rows, max(N, K))``; workspace2 ``(rows + R_idx, W2 = max(N/2, K))``, whose
+        last R_idx rows hold ``index_bytes``; the output (flat with ``flat_output``); bf16."""
+        M, N, K, topk = problem.M, problem.N, problem.K, problem.topk
+        W2 = max(N // 2, K)
+        out = (M * topk, K) if self.flat_output else (M, topk, K)
+        return WorkspaceShapes((rows, max(N, K)), (rows + cdiv(index_bytes, 2 * W2), W2), out, torch.bfloat16)
 
     # ----------------------------------------------------------------------------------------
     @staticmethod
-    def _layout(ws2: torch.Tensor, M_sum: int, pairs: int, E: int, K: int) -> ContiguousLayout:
-        raw = ws2.reshape(-1).view(torch.uint8)
-        off = M_sum * ws2.shape[1] * ws2.element_size()  # the index rows start after M_sum rows
+    def _layout(ws2: torch.Tensor, M_sum: int, pairs: int, E: int, K: int) -> permute.ContiguousLayout:
+        off = M_sum * ws2.shape[1]  # in ws2's elements: the index rows start after M_sum rows
         views = []
-        sizes = (M_sum, pairs, M_sum // ALIGN_M, E + 1, E, 1)
-        for nbytes, n in zip(_index_bytes(M_sum, pairs, E), sizes, strict=True):
-            views.append(raw[off : off + 4 * n].view(torch.int32))
-            off += nbytes
-        return ContiguousLayout(*_fp8_region(raw, M_sum, K), *views)
+        for nbytes, n in zip(_index_bytes(M_sum, pairs, E), permute.index_sizes(M_sum, pairs, E), strict=True):
+            views.append(carve(ws2, (n,), dtype=torch.int32, offset=off))
+            off += nbytes // ws2.element_size()
+        return permute.ContiguousLayout(*_fp8_region(ws2, M_sum, K), *views)
 
     def apply(self, call: ExpertsCall) -> str:
         """permute -> GEMM1 -> silu_and_mul + fp8 requant -> GEMM2 -> unpermute into ``call.output``."""
-        p, w = call.problem, call.weights
-        M, N, K, topk, E = p.M, p.N, p.K, p.topk, p.num_local_experts
-        ws13 = carve(call.workspace13, call.shapes.workspace13)
+        p = call.problem
+        M, topk = p.M, p.topk
         ws2 = carve(call.workspace2, call.shapes.workspace2)
         M_sum = call.shapes.workspace13[0]
-        real1, real2 = self._real_gemms(N, K)
         if M == 0 or M_sum == 0:  # no local (token, slot) pair: every slot's output is zero
             call.output.zero_()
             return self.backend_for(p)
@@ -259,15 +225,17 @@ class DeepGemmExperts(Experts):
         if meta is not None and call.guard and meta.expert_num_tokens_cpu is not None:
             total = int(meta.expert_num_tokens_cpu.sum())
             if total > M * topk:  # moekit's check: upstream would size and place rows from them
-                raise StaleMetadataError(stale_counts_message(total, M, topk))
+                raise StaleMetadataError(
+                    f"tokens_meta counts {total} (token, slot) pairs for this rank's experts, but this call has "
+                    f"only M*topk = {M} tokens x {topk} slots = {M * topk} pairs. The counts describe a larger "
+                    "batch: whole-batch expert_num_tokens were handed to a chunk (bug 2 of vLLM PR #20392). "
+                    "Sizing the layout from them would be wrong; recount per chunk "
+                    "(ModularKernel(metadata_policy='per_chunk'))."
+                )
         counts = call.tokens_per_expert()  # the modular kernel counted this chunk (or handed stale counts: bug 2)
-        layout = launch_permute(
-            call.hidden,
-            call.hidden_scale,
-            call.topk_ids,
-            counts,
-            self._layout(ws2, M_sum, M * topk, E, K),
-            expert_map=call.expert_map,
+        layout = self._layout(ws2, M_sum, M * topk, p.num_local_experts, p.K)
+        permute.launch_permute(
+            call.hidden, call.hidden_scale, call.topk_ids, counts, layout, expert_map=call.expert_map
         )
         if meta is not None and call.guard and int(layout.flags.item()):  # one sync, outside counts only
             routed = (layout.cursor - layout.expert_start[:-1]).tolist()
@@ -276,53 +244,54 @@ class DeepGemmExperts(Experts):
                 f"{routed} (token, slot) pairs to the local experts: the metadata belongs to another "
                 "batch (bug 2 of vLLM PR #20392: whole-batch counts handed to a chunk). Recount per chunk."
             )
-        rows = self._rows_in_use(real1 or real2, call, layout, M_sum)
-        mi, br = layout.m_indices[:rows], layout.block_rows[: rows // ALIGN_M]
-        mm1 = carve(ws13, (M_sum, N))[:rows]
-        self._gemm(real1, layout.a[:rows], layout.a_scale[:rows], w.w1, w.w1_scale, mm1, mi, br)
-        q, q_scale = _fp8_region(ws2.reshape(-1).view(torch.uint8), M_sum, N // 2)  # a is dead now
-        q, q_scale = q[:rows], q_scale[:rows]
-        static = call.a2_scale.reshape(-1).float() if call.a2_scale is not None else None
-        launch_silu_and_mul_fp8_group(mm1, q, q_scale, rows, N // 2, static_scale=static)
-        mm2 = carve(ws13, (M_sum, K))
-        self._gemm(real2, q, q_scale, w.w2, w.w2_scale, mm2[:rows], mi, br)
-        unpermute_from_contiguous(mm2, layout.inv_perm, out=call.output)
+        rows = self._rows_in_use(call, layout, M_sum)
+        blocks = (layout.m_indices[:rows], layout.block_rows[: rows // ALIGN_M])
+        mm2 = self._two_gemms(call, layout.a[:rows], layout.a_scale[:rows], *blocks)
+        permute.unpermute_from_contiguous(mm2, layout.inv_perm, out=call.output)
         return self.backend_for(p)  # "deep_gemm[triton GEMM2]" if GEMM2 fell back on a build failure
 
     def apply_rows(self, call: ExpertsCall) -> str:
         """One chunk of the batch's sorted rows: it is already DeepGEMM's contiguous layout (128-row
         blocks of one expert each), so gather its rows, run both GEMMs, scatter each pair's row."""
-        p, w, chunk = call.problem, call.weights, call.chunk
-        layout = chunk.layout
-        R, N, K = chunk.size, p.N, p.K
-        ws13 = carve(call.workspace13, call.shapes.workspace13)
-        raw2 = carve(call.workspace2, call.shapes.workspace2).reshape(-1).view(torch.uint8)
+        p, chunk = call.problem, call.chunk
+        layout, R = chunk.layout, chunk.size
+        ws2 = carve(call.workspace2, call.shapes.workspace2)
         sorted_ids = layout.sorted_token_ids[chunk.start : chunk.end]
         experts = layout.expert_ids[chunk.start // ALIGN_M : chunk.end // ALIGN_M]  # -1: another rank's
-        a, a_scale = _fp8_region(raw2, R, K)
-        gather_positions(
+        a, a_scale = _fp8_region(ws2, R, p.K)
+        permute.gather_positions(
             call.hidden, call.hidden_scale, sorted_ids, numel=layout.numel, topk=p.topk, out=a, out_scale=a_scale
         )
         # deep_gemm never sees -1 (1.0 reads out of bounds on it): such blocks take expert 0 and
         # their rows are dropped by the scatter; the Triton GEMM skips them (block_rows 0).
-        idx = raw2[2 * R * max(N // 2, K) :].view(torch.int32)
-        m_indices, block_rows = idx[:R], idx[R : R + R // ALIGN_M]
+        idx = carve(ws2, (R + R // ALIGN_M,), dtype=torch.int32, offset=R * ws2.shape[1])  # the rows past R
+        m_indices, block_rows = idx[:R], idx[R:]
         m_indices.copy_(experts.clamp(min=0).repeat_interleave(ALIGN_M))
         filled = (sorted_ids.view(-1, ALIGN_M) < layout.numel).sum(1)
         block_rows.copy_(torch.where(experts >= 0, filled, 0))
-        real1, real2 = self._real_gemms(N, K)
-        mm1 = carve(ws13, (R, N))
-        self._gemm(real1, a, a_scale, w.w1, w.w1_scale, mm1, m_indices, block_rows)
-        q, q_scale = _fp8_region(raw2, R, N // 2)  # a is dead now
-        static = call.a2_scale.reshape(-1).float() if call.a2_scale is not None else None
-        launch_silu_and_mul_fp8_group(mm1, q, q_scale, R, N // 2, static_scale=static)
-        mm2 = carve(ws13, (R, K))
-        self._gemm(real2, q, q_scale, w.w2, w.w2_scale, mm2, m_indices, block_rows)
-        scatter_positions(mm2, sorted_ids, experts, numel=layout.numel, expert_block=ALIGN_M, out=call.output)
+        mm2 = self._two_gemms(call, a, a_scale, m_indices, block_rows)
+        permute.scatter_positions(mm2, sorted_ids, experts, numel=layout.numel, expert_block=ALIGN_M, out=call.output)
         return self.backend_for(p)
 
-    @staticmethod
-    def _rows_in_use(real: bool, call: ExpertsCall, layout: ContiguousLayout, M_sum: int) -> int:
+    def _two_gemms(self, call: ExpertsCall, a, a_scale, m_indices, block_rows) -> torch.Tensor:
+        """GEMM1 -> silu_and_mul + fp8 requant -> GEMM2 over the rows of ``a`` (the fp8 region at the
+        start of workspace2, which the requantized activation then takes over); returns GEMM2's
+        output, workspace13 as ``[M_sum, K]`` (M_sum: the rows declared), its first ``len(a)`` rows computed."""
+        N, K, w = call.problem.N, call.problem.K, call.weights
+        M_sum, rows = call.shapes.workspace13[0], a.shape[0]
+        ws13 = carve(call.workspace13, call.shapes.workspace13)
+        real1, real2 = self._real_gemms(N, K)
+        mm1 = carve(ws13, (M_sum, N))[:rows]
+        self._gemm(real1, a, a_scale, w.w1, w.w1_scale, mm1, m_indices, block_rows)
+        q, q_scale = _fp8_region(carve(call.workspace2, call.shapes.workspace2), M_sum, N // 2)  # a is dead now
+        q, q_scale = q[:rows], q_scale[:rows]
+        static = call.a2_scale.reshape(-1).float() if call.a2_scale is not None else None
+        launch_silu_and_mul_fp8_group(mm1, q, q_scale, rows, N // 2, static_scale=static)
+        mm2 = carve(ws13, (M_sum, K))
+        self._gemm(real2, q, q_scale, w.w2, w.w2_scale, mm2[:rows], m_indices, block_rows)
+        return mm2
+
+    def _rows_in_use(self, call: ExpertsCall, layout: permute.ContiguousLayout, M_sum: int) -> int:
         """Rows the GEMMs must compute. Without CPU counts M_sum is a worst case (every expert
         padded by 127 rows), and deep_gemm computes every row it is given. Reading the real total
         costs one host sync, after which the GPU idles while the host launches the GEMMs (about
@@ -331,6 +300,7 @@ class DeepGemmExperts(Experts):
         0.80 -> 0.98 ms, so not there. Never under CUDA-graph capture, nor for the Triton GEMM,
         which skips blocks of pure padding on the device."""
         meta = call.tokens_meta
+        real = any(self._real_gemms(call.problem.N, call.problem.K))
         if not real or (meta is not None and meta.expert_num_tokens_cpu is not None):
             return M_sum
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
@@ -353,16 +323,8 @@ class DeepGemmExperts(Experts):
             except BackendUnavailableError:  # deep_gemm could not build this shape: remembered, never retried
                 if self.backend == "deep_gemm":
                     raise
-        contiguous_gemm(
-            a,
-            a_scale,
-            b,
-            b_scale,
-            m_indices,
-            out=out,
-            block_rows=block_rows,
-            config=self.gemm_config(a.shape[0], b.shape[1], b.shape[2]),
-        )
+        config = self.gemm_config(a.shape[0], b.shape[1], b.shape[2])
+        contiguous_gemm(a, a_scale, b, b_scale, m_indices, out=out, block_rows=block_rows, config=config)
 
 
 __all__ = ["DeepGemmExperts"]

@@ -32,6 +32,7 @@ import torch
 from moekit.errors import QuantizationError, StaleMetadataError
 from moekit.experts.base import Experts, carve
 from moekit.kernels.activation import launch_silu_and_mul
+from moekit.reference import local_expert_ids
 from moekit.types import (
     ExpertsCall,
     ExpertTokensMetadata,
@@ -85,7 +86,8 @@ class GroupedMMExperts(Experts):
         R, E = p.M * p.topk, p.num_local_experts
         if R == 0:
             return "torch_grouped_mm"
-        local, valid = _local_ids(call.topk_ids.reshape(-1), E, call.expert_map)
+        local = local_expert_ids(call.topk_ids.reshape(-1), E, call.expert_map)  # -1: empty slot or remote
+        valid = local >= 0
         order = torch.argsort(torch.where(valid, local, E), stable=True)  # by expert, invalid last
         rows = carve(call.workspace13, (R, p.K))
         torch.index_select(call.hidden, 0, order // p.topk, out=rows)
@@ -144,15 +146,3 @@ def _check_fresh(call: ExpertsCall, meta: ExpertTokensMetadata) -> None:
             f"tokens_meta counts {got} rows per local expert, but the {p.M} rows x {p.topk} slots of this "
             f"call count {own.tolist()}: the counts describe other rows {fix}"
         )
-
-
-def _local_ids(ids: torch.Tensor, E: int, expert_map: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(local expert, valid) of each pair; invalid: an empty slot, an id past the map, a remote expert."""
-    ids = ids.long()
-    limit = expert_map.numel() if expert_map is not None else E
-    ok = (ids >= 0) & (ids < limit)
-    local = ids.clamp(0, max(limit - 1, 0))
-    if expert_map is not None:
-        local = expert_map.long()[local]
-    ok = ok & (local >= 0) & (local < E)
-    return torch.where(ok, local, 0), ok

@@ -75,19 +75,13 @@ class TritonOrDeepGemmExperts(Experts):
 
     def uses_deep_gemm(self, problem: ProblemSize) -> bool:
         """True when this call goes to DeepGemm: fp8 block, M >= 128, N and K multiples of 128."""
-        return (
-            self.deep_gemm is not None
-            and problem.M >= DEEP_GEMM_MIN_M
-            and problem.N % 128 == 0
-            and problem.K % 128 == 0
-        )
+        return self.deep_gemm is not None and problem.M >= DEEP_GEMM_MIN_M and _fits_blocks(problem)
 
     def check(self, problem: ProblemSize, weights: MoEWeights, *, a2_scale=None) -> None:
         """Triton's rules (it runs every chunk below 128 tokens); a per-token a2_scale only when no
         chunk can take DeepGemm (which permutes rows by expert)."""
         self.triton.check(problem, weights, a2_scale=a2_scale)
-        shapes_fit = problem.N % 128 == 0 and problem.K % 128 == 0
-        if self.deep_gemm is not None and shapes_fit and a2_scale is not None and a2_scale.numel() != 1:
+        if self.deep_gemm is not None and _fits_blocks(problem) and a2_scale is not None and a2_scale.numel() != 1:
             raise QuantizationError(
                 f"TritonOrDeepGemmExperts takes a per-tensor a2_scale (1 element) when its DeepGemm backend may "
                 f"run (N, K multiples of 128), got shape {tuple(a2_scale.shape)}"
@@ -123,6 +117,11 @@ class TritonOrDeepGemmExperts(Experts):
     def apply_rows(self, call: ExpertsCall) -> str:
         """Run the backend picked for this chunk's count of sorted rows."""
         return self._pick(call.problem.with_M(call.chunk.size)).apply_rows(call)
+
+
+def _fits_blocks(problem: ProblemSize) -> bool:
+    """N and K multiples of 128, the blocks of DeepGemm's layout."""
+    return problem.N % 128 == 0 and problem.K % 128 == 0
 
 
 __all__ = ["DEEP_GEMM_MIN_M", "TritonOrDeepGemmExperts"]

@@ -21,6 +21,7 @@ from moekit.device import interpreting
 from moekit.errors import InvalidInputError, QuantizationError
 from moekit.kernels.host_math import cdiv, next_power_of_2
 from moekit.quant import FP8, FP8_GROUP
+from moekit.validate import check_float
 
 _FLOAT = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -34,25 +35,15 @@ def _batched_gemm_kernel(
     counts_ptr,
     a_scale_ptr,
     b_scale_ptr,
-    # Sizes
+    # Sizes (each strides argument is one tensor's three strides: expert, row, column)
     T,
     N,
     K,
-    stride_ae,
-    stride_at,
-    stride_ak,
-    stride_be,
-    stride_bn,
-    stride_bk,
-    stride_ce,
-    stride_ct,
-    stride_cn,
-    stride_ase,
-    stride_ast,
-    stride_ask,
-    stride_bse,
-    stride_bsn,
-    stride_bsk,
+    a_strides,
+    b_strides,
+    c_strides,
+    a_scale_strides,
+    b_scale_strides,
     # Meta-parameters
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -68,7 +59,7 @@ def _batched_gemm_kernel(
     n_e = tl.minimum(tl.load(counts_ptr + e), T)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    c_ptrs = c_ptr + e * stride_ce + offs_t[:, None] * stride_ct + offs_n[None, :] * stride_cn
+    c_ptrs = c_ptr + e * c_strides[0] + offs_t[:, None] * c_strides[1] + offs_n[None, :] * c_strides[2]
     # What the store covers: valid rows only, or every row of the slab when padding is zeroed.
     rows_stored = n_e
     if ZERO_PADDING:
@@ -84,8 +75,10 @@ def _batched_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     row_ok = offs_t < n_e
     col_ok = offs_n < N
-    a_ptrs = a_ptr + e * stride_ae + offs_t[:, None] * stride_at + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + e * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
+    a_ptrs = a_ptr + e * a_strides[0] + offs_t[:, None] * a_strides[1] + offs_k[None, :] * a_strides[2]
+    b_ptrs = b_ptr + e * b_strides[0] + offs_n[None, :] * b_strides[1] + offs_k[:, None] * b_strides[2]
+    a_s_ptrs = a_scale_ptr + e * a_scale_strides[0] + offs_t * a_scale_strides[1]  # used with FP8_SCALED only
+    b_s_ptrs = b_scale_ptr + e * b_scale_strides[0] + (offs_n // 128) * b_scale_strides[1]
 
     acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
     for kb in range(tl.cdiv(K, BLOCK_K)):
@@ -98,15 +91,13 @@ def _batched_gemm_kernel(
             b = b.to(tl.float32)
         if FP8_SCALED:
             # BLOCK_K == 128, so this K tile is exactly one scale group of a and of b.
-            a_s = tl.load(a_scale_ptr + e * stride_ase + offs_t * stride_ast + kb * stride_ask, mask=row_ok, other=0.0)
-            b_s = tl.load(
-                b_scale_ptr + e * stride_bse + (offs_n // 128) * stride_bsn + kb * stride_bsk, mask=col_ok, other=0.0
-            )
+            a_s = tl.load(a_s_ptrs + kb * a_scale_strides[2], mask=row_ok, other=0.0)
+            b_s = tl.load(b_s_ptrs + kb * b_scale_strides[2], mask=col_ok, other=0.0)
             acc += tl.dot(a, b, input_precision=DOT_PRECISION) * a_s[:, None] * b_s[None, :]
         else:
             acc += tl.dot(a, b, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
+        a_ptrs += BLOCK_K * a_strides[2]
+        b_ptrs += BLOCK_K * b_strides[2]
 
     # Rows past n_e loaded as zeros, so acc is already 0 there (ZERO_PADDING stores it).
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=store_ok)
@@ -188,21 +179,11 @@ def batched_gemm(
         T,
         N,
         K,
-        a.stride(0),
-        a.stride(1),
-        a.stride(2),
-        b.stride(0),
-        b.stride(1),
-        b.stride(2),
-        out.stride(0),
-        out.stride(1),
-        out.stride(2),
-        sa.stride(0),
-        sa.stride(1),
-        sa.stride(2),
-        sb.stride(0),
-        sb.stride(1),
-        sb.stride(2),
+        a.stride(),
+        b.stride(),
+        out.stride(),
+        sa.stride(),
+        sb.stride(),
         BLOCK_T=BLOCK_T,
         BLOCK_N=BLOCK_N,
         BLOCK_K=BLOCK_K,
@@ -218,10 +199,8 @@ def batched_gemm(
 
 def _check(a, b, counts, a_scale, b_scale) -> bool:
     """Validate the operands; True when they are fp8 with block scales."""
-    for name, t in (("a", a), ("b", b)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 3:
-            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise InvalidInputError(f"{name} must be a 3-D tensor, got {got}")
+    check_float(a, "a", dims=3, allow_fp8=True)
+    check_float(b, "b", dims=3, allow_fp8=True)
     E, T, K = a.shape
     if b.shape[0] != E or b.shape[2] != K:
         raise InvalidInputError(f"b must be [E={E}, N, K={K}] to match a {tuple(a.shape)}, got {tuple(b.shape)}")

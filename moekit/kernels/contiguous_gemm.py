@@ -87,26 +87,21 @@ def _contiguous_gemm_kernel(
     block_rows_ptr,
     a_desc,
     b_desc,
-    # Sizes
+    # Sizes (each strides argument is one tensor's strides)
     num_rows,
     N,
     K,
-    stride_am,
-    stride_asm,
-    stride_asg,
-    stride_be,
-    stride_bn,
-    stride_bse,
-    stride_bsn,
-    stride_om,
+    a_strides,
+    a_scale_strides,
+    b_strides,
+    b_scale_strides,
+    out_strides,
     # Meta-parameters
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     SKIP_PADDING: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    EVEN_N: tl.constexpr,
     TMA: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -135,11 +130,11 @@ def _contiguous_gemm_kernel(
         m_ok = tl.full((BLOCK_M,), 1, tl.int1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
-    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
-    as_ptrs = a_scale_ptr + offs_m * stride_asm
-    bs_ptrs = b_scale_ptr + expert * stride_bse + (offs_n // GROUP) * stride_bsn
-    b_scale_of_tile = b_scale_ptr + expert * stride_bse + (pid_n * BLOCK_N // GROUP) * stride_bsn
+    a_ptrs = a_ptr + offs_m[:, None] * a_strides[0] + offs_k[None, :]
+    b_ptrs = b_ptr + expert * b_strides[0] + offs_n[None, :].to(tl.int64) * b_strides[1] + offs_k[:, None]
+    as_ptrs = a_scale_ptr + offs_m * a_scale_strides[0]
+    bs_ptrs = b_scale_ptr + expert * b_scale_strides[0] + (offs_n // GROUP) * b_scale_strides[1]
+    b_scale_of_tile = b_scale_ptr + expert * b_scale_strides[0] + (pid_n * BLOCK_N // GROUP) * b_scale_strides[1]
     n_ok = offs_n < N
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -147,20 +142,11 @@ def _contiguous_gemm_kernel(
         if TMA:  # zeros past K and past the last row; columns past N are another expert's, never stored
             a = a_desc.load([r0, ks * BLOCK_K])
             b = b_desc.load([(expert * N + pid_n * BLOCK_N).to(tl.int32), ks * BLOCK_K]).T
-        elif EVEN_K:
-            if SKIP_PADDING:
-                a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
-            else:
-                a = tl.load(a_ptrs)
-            if EVEN_N:
-                b = tl.load(b_ptrs)
-            else:
-                b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
-        else:
+        else:  # with K and N multiples of 16 the masks hold over 16-element runs: the loads stay vectorized
             k_ok = ks * BLOCK_K + offs_k < K
             a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        a_s = tl.load(as_ptrs + ks * stride_asg, mask=m_ok, other=0.0)
+        a_s = tl.load(as_ptrs + ks * a_scale_strides[1], mask=m_ok, other=0.0)
         if BLOCK_N <= GROUP:  # the tile's columns share one weight scale per K step
             acc += tl.dot(a, b) * (a_s * tl.load(b_scale_of_tile + ks))[:, None]
         else:
@@ -171,11 +157,8 @@ def _contiguous_gemm_kernel(
     if TMA and SKIP_PADDING:  # padding rows were read whole: their bytes are whatever the workspace held
         acc = tl.where(m_ok[:, None], acc, 0.0)
 
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    if EVEN_N:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty))
-    else:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok[None, :])
+    out_ptrs = out_ptr + offs_m[:, None] * out_strides[0] + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok[None, :])
 
 
 def contiguous_gemm(
@@ -262,21 +245,16 @@ def contiguous_gemm(
         M_sum,
         N,
         K,
-        a.stride(0),
-        a_scale.stride(0),
-        a_scale.stride(1),
-        b.stride(0),
-        b.stride(1),
-        b_scale.stride(0),
-        b_scale.stride(1),
-        out.stride(0),
+        a.stride(),
+        a_scale.stride(),
+        b.stride(),
+        b_scale.stride(),
+        out.stride(),
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=FP8_GROUP,
         GROUP_M=cfg.group_m,
         SKIP_PADDING=block_rows is not None,
-        EVEN_K=K % FP8_GROUP == 0,
-        EVEN_N=N % cfg.block_n == 0,
         TMA=tma,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

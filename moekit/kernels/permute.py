@@ -22,11 +22,15 @@ differ between GPU runs.
 
 The way back, :func:`unpermute_from_contiguous`, gathers GEMM2's rows into the experts' output
 in (token, slot) order; slots without a row (empty, or another rank's expert) get zeros.
+
+A chunk of the expert-sorted rows (``ModularKernel(chunk_by="rows")``) is already this layout:
+:func:`gather_positions` fills it from the tokens by position (``moe_align_block_size``'s
+``sorted_token_ids``), and :func:`scatter_positions` writes each row back to its (token, slot) row
+of the output.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -70,27 +74,33 @@ class ContiguousLayout:
         return self.a.shape[0]
 
 
-def column_major_scale(num_rows: int, groups: int, *, device, storage: torch.Tensor | None = None) -> torch.Tensor:
-    """A ``[num_rows, groups]`` fp32 view over column-major storage ``[groups, round_up(num_rows, 4)]``."""
-    padded = (num_rows + 3) // 4 * 4
-    if storage is None:
-        storage = torch.empty(groups * padded, dtype=torch.float32, device=device)
-    return storage[: groups * padded].view(groups, padded)[:, :num_rows].t()
+def index_sizes(num_rows: int, num_pairs: int, num_experts: int) -> tuple[int, ...]:
+    """Lengths of the layout's int32 arrays, in field order: ``m_indices``, ``inv_perm``,
+    ``block_rows``, ``expert_start``, ``cursor``, ``flags``."""
+    return num_rows, num_pairs, num_rows // ALIGN_M, num_experts + 1, num_experts, 1
 
 
 def alloc_layout(num_rows: int, K: int, num_pairs: int, num_experts: int, *, device) -> ContiguousLayout:
     """Fresh buffers for a layout of ``num_rows`` rows (experts carve theirs from workspaces)."""
-    i32 = dict(dtype=torch.int32, device=device)
-    return ContiguousLayout(
-        a=torch.empty(num_rows, K, dtype=FP8, device=device),
-        a_scale=column_major_scale(num_rows, math.ceil(K / FP8_GROUP), device=device),
-        m_indices=torch.empty(num_rows, **i32),
-        inv_perm=torch.empty(num_pairs, **i32),
-        block_rows=torch.empty(num_rows // ALIGN_M, **i32),
-        expert_start=torch.empty(num_experts + 1, **i32),
-        cursor=torch.empty(num_experts, **i32),
-        flags=torch.empty(1, **i32),
-    )
+    scale_storage = torch.empty(cdiv(K, FP8_GROUP), cdiv(num_rows, 4) * 4, dtype=torch.float32, device=device)
+    a_scale = scale_storage[:, :num_rows].t()  # column-major, rows padded to 4 (TMA alignment)
+    index = [torch.empty(n, dtype=torch.int32, device=device) for n in index_sizes(num_rows, num_pairs, num_experts)]
+    return ContiguousLayout(torch.empty(num_rows, K, dtype=FP8, device=device), a_scale, *index)
+
+
+@triton.jit
+def _copy_rows(src_ptr, src_strides, src_rows, dst_ptr, dst_strides, dst_rows, load_ok, store_ok, width, BLOCK):
+    """``dst[dst_rows[i], :width] = src[src_rows[i], :width]`` where ``store_ok``, zeros where not
+    ``load_ok``; ``*_strides`` are each 2-D tensor's (row, column) strides. Every kernel of this file
+    moves its rows with it."""
+    cols = tl.arange(0, BLOCK)
+    for c0 in range(0, width, BLOCK):
+        c = c0 + cols
+        col_ok = c < width
+        src = src_ptr + src_rows[:, None] * src_strides[0] + c[None, :] * src_strides[1]
+        x = tl.load(src, mask=load_ok[:, None] & col_ok[None, :], other=0.0)
+        dst = dst_ptr + dst_rows[:, None] * dst_strides[0] + c[None, :] * dst_strides[1]
+        tl.store(dst, x.to(dst_ptr.dtype.element_ty), mask=store_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -133,19 +143,17 @@ def _scatter_rows_kernel(
     expert_start_ptr,
     cursor_ptr,
     flags_ptr,
-    # Sizes
+    # Sizes (each strides argument is one 2-D tensor's (row, column) strides)
     K,
     G,
     topk,
     num_experts,
     num_global,
     num_rows,
-    stride_xm,
-    stride_sm,
-    stride_sg,
-    stride_am,
-    stride_asm,
-    stride_asg,
+    a1q_strides,
+    a1q_scale_strides,
+    a_strides,
+    a_scale_strides,
     # Meta-parameters
     HAS_MAP: tl.constexpr,
     TOPK: tl.constexpr,
@@ -172,18 +180,11 @@ def _scatter_rows_kernel(
     tl.atomic_or(flags_ptr, tl.max((valid & ~ok).to(tl.int32), 0))  # OVERFLOW
     tl.store(inv_perm_ptr + m * topk + j, tl.where(ok, dest, -1), mask=jmask)
 
+    # Every slot of token m copies the token's row (and scales) to its own row of the layout.
     dest64 = dest.to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    for k0 in range(0, K, BLOCK_K):
-        kmask = k0 + offs_k < K
-        x = tl.load(a1q_ptr + m * stride_xm + k0 + offs_k, mask=kmask)
-        dst = a_ptr + dest64[:, None] * stride_am + k0 + offs_k[None, :]
-        tl.store(dst, tl.broadcast_to(x[None, :], (TOPK, BLOCK_K)), mask=ok[:, None] & kmask[None, :])
-    g = tl.arange(0, BLOCK_G)
-    gmask = g < G
-    s = tl.load(a1q_scale_ptr + m * stride_sm + g * stride_sg, mask=gmask)
-    dst = a_scale_ptr + dest64[:, None] * stride_asm + g[None, :] * stride_asg
-    tl.store(dst, tl.broadcast_to(s[None, :], (TOPK, BLOCK_G)), mask=ok[:, None] & gmask[None, :])
+    token = tl.zeros_like(dest64) + m
+    _copy_rows(a1q_ptr, a1q_strides, token, a_ptr, a_strides, dest64, ok, ok, K, BLOCK_K)
+    _copy_rows(a1q_scale_ptr, a1q_scale_strides, token, a_scale_ptr, a_scale_strides, dest64, ok, ok, G, BLOCK_G)
 
 
 @triton.jit
@@ -268,7 +269,7 @@ def permute_to_contiguous(
         raise InvalidInputError(
             f"a1q must be float8_e4m3fn [M, K] with unit column stride, got {a1q.dtype} {a1q.stride()}"
         )
-    G = math.ceil(K / FP8_GROUP)
+    G = cdiv(K, FP8_GROUP)
     if tuple(a1q_scale.shape) != (M, G) or a1q_scale.dtype != torch.float32:
         raise InvalidInputError(f"a1q_scale must be float32 {(M, G)}, got {a1q_scale.dtype} {tuple(a1q_scale.shape)}")
     if topk_ids.shape[0] != M or counts.dtype != torch.int32 or counts.dim() != 1 or E == 0:
@@ -315,12 +316,10 @@ def launch_permute(a1q, a1q_scale, topk_ids, counts, layout: ContiguousLayout, *
             E,
             emap.numel() if expert_map is not None else E,
             num_rows,
-            a1q.stride(0),
-            a1q_scale.stride(0),
-            a1q_scale.stride(1),
-            layout.a.stride(0),
-            layout.a_scale.stride(0),
-            layout.a_scale.stride(1),
+            a1q.stride(),
+            a1q_scale.stride(),
+            layout.a.stride(),
+            layout.a_scale.stride(),
             HAS_MAP=expert_map is not None,
             TOPK=next_power_of_2(topk),
             BLOCK_K=min(next_power_of_2(K), 1024),
@@ -351,8 +350,8 @@ def _gather_rows_kernel(
     # Sizes
     num_pairs,
     K,
-    stride_rm,
-    stride_om,
+    rows_strides,
+    out_strides,
     # Meta-parameters
     BLOCK_P: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -360,15 +359,7 @@ def _gather_rows_kernel(
     p = tl.program_id(0).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
     pmask = p < num_pairs
     row = tl.load(inv_perm_ptr + p, mask=pmask, other=-1).to(tl.int64)
-    has = row >= 0
-    offs_k = tl.arange(0, BLOCK_K)
-    for k0 in range(0, K, BLOCK_K):
-        kmask = k0 + offs_k < K
-        x = tl.load(
-            rows_ptr + row[:, None] * stride_rm + k0 + offs_k[None, :], mask=has[:, None] & kmask[None, :], other=0.0
-        )
-        dst = out_ptr + p[:, None] * stride_om + k0 + offs_k[None, :]
-        tl.store(dst, x.to(out_ptr.dtype.element_ty), mask=pmask[:, None] & kmask[None, :])
+    _copy_rows(rows_ptr, rows_strides, row, out_ptr, out_strides, p, row >= 0, pmask, K, BLOCK_K)
 
 
 def unpermute_from_contiguous(rows: torch.Tensor, inv_perm: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
@@ -414,9 +405,155 @@ def unpermute_from_contiguous(rows: torch.Tensor, inv_perm: torch.Tensor, *, out
             flat,
             pairs,
             K,
-            rows.stride(0),
-            flat.stride(0),
+            rows.stride(),
+            flat.stride(),
             BLOCK_P=BLOCK_P,
+            BLOCK_K=min(next_power_of_2(K), 1024),
+        )
+    return out
+
+
+@triton.jit
+def _gather_positions_kernel(
+    # Pointers
+    a1q_ptr,
+    a1q_scale_ptr,
+    sorted_ptr,
+    a_ptr,
+    a_scale_ptr,
+    # Sizes (each strides argument is one 2-D tensor's (row, column) strides)
+    rows,
+    numel,
+    topk,
+    K,
+    G,
+    a1q_strides,
+    a1q_scale_strides,
+    a_strides,
+    a_scale_strides,
+    # Meta-parameters
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = r < rows
+    pair = tl.load(sorted_ptr + r, mask=rmask, other=numel)
+    live = pair < numel  # padding rows become zeros (with zero scales)
+    token = tl.where(live, pair // topk, 0).to(tl.int64)
+    _copy_rows(a1q_ptr, a1q_strides, token, a_ptr, a_strides, r, live, rmask, K, BLOCK_K)
+    _copy_rows(a1q_scale_ptr, a1q_scale_strides, token, a_scale_ptr, a_scale_strides, r, live, rmask, G, BLOCK_G)
+
+
+def gather_positions(
+    a1q: torch.Tensor,
+    a1q_scale: torch.Tensor,
+    sorted_ids: torch.Tensor,
+    *,
+    numel: int,
+    topk: int,
+    out: torch.Tensor,
+    out_scale: torch.Tensor,
+) -> None:
+    """``out[r] = a1q[sorted_ids[r] // topk]`` (and its scales) for a chunk of sorted rows.
+
+    In plain Python::
+
+        for r, pair in enumerate(sorted_ids):          # one chunk of moe_align_block_size's rows
+            out[r], out_scale[r] = (a1q[pair // topk], a1q_scale[pair // topk]) if pair < numel else (0, 0)
+
+    Args:
+        a1q: fp8 ``[M, K]``; a1q_scale: fp32 ``[M, K/128]`` (any strides).
+        sorted_ids: int32 ``[rows]``, pair indices (``numel`` for padding).
+        out: fp8 ``[rows, K]`` (unit column stride); out_scale: fp32 ``[rows, K/128]`` (any strides,
+            column-major for deep_gemm).
+    """
+    rows, K = out.shape
+    G = out_scale.shape[1]
+    if rows == 0:
+        return
+    BLOCK_R = 8
+    _gather_positions_kernel[(cdiv(rows, BLOCK_R),)](
+        a1q,
+        a1q_scale,
+        sorted_ids,
+        out,
+        out_scale,
+        rows,
+        numel,
+        topk,
+        K,
+        G,
+        a1q.stride(),
+        a1q_scale.stride(),
+        out.stride(),
+        out_scale.stride(),
+        BLOCK_R=BLOCK_R,
+        BLOCK_K=min(next_power_of_2(K), 1024),
+        BLOCK_G=next_power_of_2(G),
+    )
+
+
+@triton.jit
+def _scatter_positions_kernel(
+    # Pointers
+    rows_ptr,
+    sorted_ptr,
+    expert_ids_ptr,
+    out_ptr,
+    # Sizes
+    rows,
+    numel,
+    K,
+    rows_strides,
+    out_strides,
+    # Meta-parameters
+    EXPERT_BLOCK: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = r < rows
+    pair = tl.load(sorted_ptr + r, mask=rmask, other=numel)
+    live = rmask & (pair < numel)
+    local = tl.load(expert_ids_ptr + r // EXPERT_BLOCK, mask=rmask, other=-1) >= 0  # -1: another rank's
+    _copy_rows(rows_ptr, rows_strides, r, out_ptr, out_strides, pair.to(tl.int64), live & local, live, K, BLOCK_K)
+
+
+def scatter_positions(
+    rows: torch.Tensor,
+    sorted_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    *,
+    numel: int,
+    expert_block: int,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """``out.view(-1, K)[sorted_ids[r]] = rows[r]`` for a chunk of sorted rows; zeros for rows of a
+    block whose expert id is -1 (another rank's expert, or kept empty slots). Padding is skipped.
+
+    Args:
+        rows: ``[R, >=K]`` GEMM2 output of the chunk (unit column stride).
+        sorted_ids: int32 ``[R]`` pair per row; expert_ids: int32, one per ``expert_block`` rows.
+        out: the whole-batch output, ``numel`` rows of ``K`` (``[M, topk, K]``), written in place.
+    """
+    K = out.shape[-1]
+    flat = out.view(-1, K)
+    R = sorted_ids.numel()
+    if R:
+        BLOCK_R = 8
+        _scatter_positions_kernel[(cdiv(R, BLOCK_R),)](
+            rows,
+            sorted_ids,
+            expert_ids,
+            flat,
+            R,
+            numel,
+            K,
+            rows.stride(),
+            flat.stride(),
+            EXPERT_BLOCK=expert_block,
+            BLOCK_R=BLOCK_R,
             BLOCK_K=min(next_power_of_2(K), 1024),
         )
     return out

@@ -25,7 +25,9 @@ import torch
 
 from moekit.errors import CapacityError, InvalidInputError
 from moekit.prepare_finalize.base import PrepareFinalize, quantize_activations
+from moekit.reference import local_expert_ids
 from moekit.types import ActivationFormat, ExpertPlacement, ExpertTokensMetadata, Prepared, QuantScheme
+from moekit.validate import check_positive_int
 
 
 @dataclass
@@ -41,19 +43,6 @@ class BatchedHandle:
     rank: torch.Tensor
     token: torch.Tensor
     slot: torch.Tensor
-
-
-def _local_ids(topk_ids: torch.Tensor, placement: ExpertPlacement) -> torch.Tensor:
-    """Local expert id per (token, slot), int64; -1 for empty slots and non-local experts."""
-    ids = topk_ids.long()
-    E = placement.num_local_experts
-    emap = placement.expert_map
-    if emap is None:
-        return torch.where((ids >= 0) & (ids < E), ids, -1)
-    emap = emap.to(ids.device).long()
-    known = (ids >= 0) & (ids < emap.numel())
-    mapped = emap[ids.clamp(0, max(emap.numel() - 1, 0))] if emap.numel() else torch.full_like(ids, -1)
-    return torch.where(known & (mapped >= 0) & (mapped < E), mapped, -1)
 
 
 class BatchedPrepareFinalize(PrepareFinalize):
@@ -76,9 +65,7 @@ class BatchedPrepareFinalize(PrepareFinalize):
     dispatches = True
 
     def __init__(self, *, max_tokens: int):
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
-            raise InvalidInputError(f"max_tokens must be a positive int, got {max_tokens!r}")
-        self.max_tokens = max_tokens
+        self.max_tokens = check_positive_int(max_tokens, "max_tokens")
 
     def prepare(
         self,
@@ -95,18 +82,14 @@ class BatchedPrepareFinalize(PrepareFinalize):
         Raises:
             CapacityError: a local expert received more than ``max_tokens`` tokens.
         """
-        if hidden.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape[0] != hidden.shape[0]:
-            raise InvalidInputError(
-                f"expected hidden [M, K] and topk_ids [M, topk], got {tuple(hidden.shape)} and {tuple(topk_ids.shape)}"
-            )
-        M, K = hidden.shape
+        M, K = hidden.shape  # [M, K] and [M, topk]: checked at the modular kernel's door
         topk = topk_ids.shape[1]
         E, T = placement.num_local_experts, min(self.max_tokens, M * topk)  # slabs no taller than the pairs
         device = hidden.device
 
         # Sort the (token, slot) pairs by local expert; a stable sort keeps token order inside
         # each expert, so a pair's rank within its expert is its row in the slab.
-        local = _local_ids(topk_ids, placement).reshape(-1)  # [M * topk]
+        local = local_expert_ids(topk_ids, E, placement.expert_map).reshape(-1)  # [M * topk], -1: not local
         pair = torch.nonzero(local >= 0).reshape(-1)  # flat index m * topk + j, ascending
         expert, order = torch.sort(local[pair], stable=True)
         pair = pair[order]
@@ -118,7 +101,7 @@ class BatchedPrepareFinalize(PrepareFinalize):
         x, x_scale = quantize_activations(hidden, quant)  # per row, so once per token
         token, slot = pair // topk, pair % topk
         a1q = torch.zeros((E, T, K), dtype=x.dtype, device=device)
-        _put_rows(a1q, expert, rank, x[token])
+        a1q.view(torch.uint8)[expert, rank] = x[token].view(torch.uint8)  # through the bytes: CPU index_put lacks fp8
         a1q_scale = None
         if x_scale is not None:
             a1q_scale = torch.zeros((E, T, x_scale.shape[1]), dtype=x_scale.dtype, device=device)
@@ -166,11 +149,3 @@ class BatchedPrepareFinalize(PrepareFinalize):
 
     def __repr__(self) -> str:
         return f"BatchedPrepareFinalize(max_tokens={self.max_tokens})"
-
-
-def _put_rows(dst: torch.Tensor, expert: torch.Tensor, rank: torch.Tensor, rows: torch.Tensor) -> None:
-    """``dst[expert, rank] = rows``; fp8 goes through its bytes (CPU index_put lacks fp8)."""
-    if dst.dtype == torch.float8_e4m3fn:
-        dst.view(torch.uint8)[expert, rank] = rows.view(torch.uint8)
-    else:
-        dst[expert, rank] = rows
