@@ -4,16 +4,21 @@ Notebook ``10_workbook`` gives each exercise a task, a skeleton and a hint; this
 
     from moekit import workbook
     workbook.check("chunk_plan", chunk_plan, chunk_inputs)   # True, or False and one line why
+    workbook.check("chunk_plan", chunk_plan, chunk_inputs, seed=1234)  # replays a printed seed
     workbook.show_solution("chunk_plan")                     # on purpose only: prints the solution
     fns = workbook.solution("chunk_plan")                    # the solution's objects, for a check
 
-A check runs the code on seeded random and edge cases built on purpose (ids past the map or
->= E, empty chunks, exact BLOCK_M multiples) against :mod:`moekit.reference` and, where the
-exercise is about *how*, checks how: views, not copies; the chunk's own rows; and for the Triton
-kernels, what :func:`moekit.workbook.probes.watch_memory` saw each program read and write (each
-id read once, one tile per program, atomics where programs meet, work per id). A failed check
-raises :class:`moekit.errors.ExerciseFailed` inside; :func:`check` prints its one line (or
-re-raises with ``strict=True``).
+A check is a specification, not a few examples: it draws its cases from the whole space the
+exercise's text allows (:mod:`moekit.workbook.cases`, freshly seeded on every run, with the
+edges always included: every ids dtype and kind of expert map, empty input, whole tiles, an
+expert past int16's limit, ...) and compares with :mod:`moekit.reference`. Every exercise's
+contract is checked on every run: inputs are read-only, and new data of the same sizes gets a
+new answer. Where the exercise is about *how*, it checks how: views, not copies (scales too);
+the chunk's own rows; workspace bytes; and for the Triton kernels, that a ``@triton.jit``
+kernel did the work and what :func:`moekit.workbook.probes.watch_memory` saw each program read
+and write (each id read once, one tile per program, atomics where programs meet, work per id).
+A failed check raises :class:`moekit.errors.ExerciseFailed` inside, its one line ending in the
+seed that replays it; :func:`check` prints that line (or re-raises with ``strict=True``).
 """
 
 from __future__ import annotations
@@ -23,62 +28,31 @@ import inspect
 from dataclasses import dataclass
 
 from moekit.errors import ExerciseFailed, InvalidInputError
-from moekit.validate import check_flag
+from moekit.validate import check_flag, check_positive_int
+from moekit.workbook.cases import Sampler, fresh_seed
 
 
 @dataclass(frozen=True)
 class Exercise:
-    """One exercise: what the learner writes (``names``), its check, and its solution module."""
+    """One exercise: what the learner writes (``names``), checked by ``check_<key>`` (in
+    :mod:`moekit.workbook.checks` or :mod:`moekit.workbook.kernel_checks`), and its solution."""
 
     key: str
     title: str
     names: tuple[str, ...]
-    check: str  # "module:function" under moekit.workbook
     solution: str  # module under moekit.workbook.solutions
 
 
 EXERCISES = {
     e.key: e
     for e in (
-        Exercise(
-            "chunk_plan", "1. The chunk plan", ("chunk_plan", "chunk_inputs"), "checks:check_chunk_plan", "chunk_plan"
-        ),
-        Exercise(
-            "workspace_shapes",
-            "2. Workspace shapes of a new backend",
-            ("MyExperts",),
-            "checks:check_workspace_shapes",
-            "workspace",
-        ),
-        Exercise("recount", "3. The per-chunk recount", ("chunk_counts",), "checks:check_recount", "recount"),
-        Exercise(
-            "scan_kernel",
-            "4a. The count kernel: the seed's scan",
-            ("scan_kernel",),
-            "kernel_checks:check_scan_kernel",
-            "count_kernels",
-        ),
-        Exercise(
-            "histogram_kernel",
-            "4b. The count kernel: one pass",
-            ("histogram_kernel",),
-            "kernel_checks:check_histogram_kernel",
-            "count_kernels",
-        ),
-        Exercise(
-            "align_kernel",
-            "5. moe_align_block_size in Triton",
-            ("align_kernel",),
-            "kernel_checks:check_align_kernel",
-            "align",
-        ),
-        Exercise(
-            "row_plan",
-            "6. A chunk plan along the sorted rows",
-            ("row_chunk_plan",),
-            "checks:check_row_plan",
-            "row_plan",
-        ),
+        Exercise("chunk_plan", "1. The chunk plan", ("chunk_plan", "chunk_inputs"), "chunk_plan"),
+        Exercise("workspace_shapes", "2. Workspace shapes of a new backend", ("MyExperts",), "workspace"),
+        Exercise("recount", "3. The per-chunk recount", ("chunk_counts",), "recount"),
+        Exercise("scan_kernel", "4a. The count kernel: the seed's scan", ("scan_kernel",), "count_kernels"),
+        Exercise("histogram_kernel", "4b. The count kernel: one pass", ("histogram_kernel",), "count_kernels"),
+        Exercise("align_kernel", "5. moe_align_block_size in Triton", ("align_kernel",), "align"),
+        Exercise("row_plan", "6. A chunk plan along the sorted rows", ("row_chunk_plan",), "row_plan"),
     )
 }
 
@@ -89,36 +63,43 @@ def _exercise(key: str) -> Exercise:
     return EXERCISES[key]
 
 
-def grade(key: str, *objects) -> int:
+def grade(key: str, *objects, seed: int | None = None) -> int:
     """Run exercise ``key``'s check on ``objects`` (the learner's, in :attr:`Exercise.names`
-    order); returns the number of cases checked, or raises ExerciseFailed."""
+    order) with cases drawn from ``seed`` (None: a fresh one); returns the number of cases
+    checked, or raises ExerciseFailed, whose message ends with the seed."""
     ex = _exercise(key)
     if len(objects) != len(ex.names):
         raise InvalidInputError(f"exercise {key!r} checks {len(ex.names)} object(s) {ex.names}, got {len(objects)}")
-    module, name = ex.check.split(":")
-    fn = getattr(importlib.import_module(f"moekit.workbook.{module}"), name)
+    sampler = Sampler(fresh_seed() if seed is None else check_positive_int(seed, "seed", allow_zero=True))
+    from moekit.workbook import checks, kernel_checks
+
+    fn = getattr(checks, f"check_{key}", None) or getattr(kernel_checks, f"check_{key}")
+    replay = f" [seed={sampler.seed}]"
     try:
-        return fn(*objects)
-    except ExerciseFailed:
-        raise
+        return fn(*objects, sampler=sampler)
+    except ExerciseFailed as e:
+        raise ExerciseFailed(f"{e}{replay}") from e
     except NotImplementedError as e:
         raise ExerciseFailed(f"not written yet ({type(e).__name__}{': ' + str(e) if str(e) else ''})") from e
     except Exception as e:  # the learner's code crashed: that is a failed case, said in one line
-        raise ExerciseFailed(f"{type(e).__name__}: {str(e).splitlines()[0][:240] if str(e) else ''}") from e
+        why = str(e).splitlines()[0][:240] if str(e) else ""
+        raise ExerciseFailed(f"{type(e).__name__} in {sampler.case}: {why}{replay}") from e
 
 
-def check(key: str, *objects, strict: bool = False) -> bool:
-    """Grade and print one line: ``PASS`` with the number of cases, or ``FAIL`` and why."""
+def check(key: str, *objects, strict: bool = False, seed: int | None = None) -> bool:
+    """Grade and print one line: ``PASS`` with the number of cases and the seed, or ``FAIL``,
+    why, and the seed (``seed=`` replays a run)."""
     title = _exercise(key).title
     check_flag(strict, "strict")
+    seed = fresh_seed() if seed is None else seed
     try:
-        cases = grade(key, *objects)
+        cases = grade(key, *objects, seed=seed)
     except ExerciseFailed as e:
         if strict:
             raise
         print(f"FAIL  {title}: {e}")
         return False
-    print(f"PASS  {title}: {cases} cases")
+    print(f"PASS  {title}: {cases} cases [seed={seed}]")
     return True
 
 

@@ -1,132 +1,175 @@
 """Checks of the exercises written in Python and torch (1, 2, 3 and 6).
 
-Each ``check_*`` runs the learner's code on seeded random and edge cases against
-:mod:`moekit.reference` (or the library's own plan), checks *how* where the exercise is about
-how, and raises :class:`moekit.errors.ExerciseFailed` with one line naming the first failing case.
+Each ``check_*`` draws its cases from a :class:`moekit.workbook.cases.Sampler` over the whole
+space the exercise's text allows (its edges always among them), runs the learner's code against
+:mod:`moekit.reference` (or the library's own plan), holds it to the contract every exercise
+shares (inputs are read-only; new data of the same sizes gets a new answer), checks *how* where
+the exercise is about how, and raises :class:`moekit.errors.ExerciseFailed` with one line
+naming the first failing case.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
 from moekit.errors import ExerciseFailed
 from moekit.types import ALIGN_M
-from moekit.workbook.probes import is_view_of
+from moekit.workbook.cases import HOT, Sampler
+from moekit.workbook.probes import is_view_of, watch_inputs
 
-MS = (0, 1, 2, 7, 128, 130, 257)
-CS = (None, 1, 3, 64, 128, 129, 1000)
+ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
+SCALES = ("per-token", "per-group", "per-tensor", "no")  # [M, 1]; [M, K/128] column-major; [1]; None
+AGAIN = ", called again on new data of the same sizes"
 
 
 def fail(message: str):
     raise ExerciseFailed(message)
 
 
-def random_ids(M, topk, E, *, seed, dtype=torch.int32, empty_every=None):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, max(E, 1), (M, topk), generator=g).to(dtype)
-    if empty_every:
-        ids[::empty_every, -1] = -1
-    return ids
+def read_only(sampler: Sampler, fn, names: str, *args):
+    """``fn(*args)``; fails when it changed a tensor or list among ``args`` (``names`` names
+    them, one word per argument): every exercise's inputs are read-only."""
+    watched = {n: a for n, a in zip(names.split(), args, strict=True) if isinstance(a, (torch.Tensor, list))}
+    with watch_inputs(**watched) as changed:
+        result = fn(*args)
+    if changed:
+        fail(f"{sampler.case} changed its input {changed[0]}: inputs are read-only (the caller still uses them)")
+    return result
+
+
+def difference(got: list, want: list) -> str:
+    """The first difference between two lists of counts, in a few words (never the lists)."""
+    if len(got) != len(want):
+        return f"{len(got)} counts; expected {len(want)}, one per local expert"
+    bad = [i for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w]
+    return f"{got[bad[0]]} for expert {bad[0]}; expected {want[bad[0]]} ({len(bad)} of {len(want)} experts differ)"
+
+
+def _short(items: list, what: str = "chunks") -> str:
+    return str(items) if len(items) <= 4 else f"[{items[0]}, {items[1]}, ..., {items[-1]}] ({len(items)} {what})"
 
 
 # ---------------------------------------------------------------------------------------------
 # 1. the chunk plan
 
 
-def check_chunk_plan(chunk_plan, chunk_inputs) -> int:
-    """``chunk_plan(M, C)`` must equal :func:`moekit.chunk_ranges`; ``chunk_inputs`` must return
-    views of the batch's rows and pass a per-tensor scale whole (#28728 sliced it empty)."""
+def check_chunk_plan(chunk_plan, chunk_inputs, *, sampler: Sampler) -> int:
+    """``chunk_plan(M, C)`` equals :func:`moekit.chunk_ranges` for M >= 0 and C None or >= 1;
+    ``chunk_inputs`` returns the chunk's rows of activations (any dtype, strided too) and ids
+    (every dtype) as views, the rows of a per-token scale as a view and a per-tensor scale
+    whole, and changes none of its inputs."""
     from moekit.plan import chunk_ranges
 
-    cases = 0
-    for M in MS:
-        for C in CS:
-            want = [(r.start, r.end) for r in chunk_ranges(M, C)]
-            got = [tuple(int(v) for v in r) for r in chunk_plan(M, C)]
+    r, cases = sampler.rng, 0
+    for M in (0, 1, r.randint(2, 300), r.randint(300, 5000)):
+        for C in (None, 1, M + 1, max(M, 1), max(M - 1, 1), r.randint(1, M + 1)):
+            sampler.case = f"chunk_plan(M={M}, C={C})"
+            want = [(c.start, c.end) for c in chunk_ranges(M, C)]
+            got = [tuple(int(v) for v in rng) for rng in chunk_plan(M, C)]
             if got != want:
-                fail(f"chunk_plan(M={M}, C={C}) gave {_short(got)}; expected {_short(want)}")
+                fail(f"{sampler.case} gave {_short(got)}; expected {_short(want)}")
             cases += 1
-    g = torch.Generator().manual_seed(1)
-    M, K = 130, 16
-    # bf16, as served: an upcast (.float()) would be a copy, where on fp32 it hands back the view
-    hidden = torch.randn(M, K, generator=g).to(torch.bfloat16)
-    for dtype in (torch.int32, torch.int64):
-        ids = random_ids(M, 2, 8, seed=2, dtype=dtype)
-        for kind, scale in (
-            ("per-token", torch.rand(M, 1, generator=g)),
-            ("per-tensor", torch.rand(1, generator=g)),
-            ("no", None),
-        ):
-            for s, e in ((0, 128), (128, 130), (0, 130)):
-                h, i, sc = chunk_inputs(hidden, ids, scale, s, e)
-                if h.dtype != hidden.dtype or i.dtype != ids.dtype:
-                    fail(
-                        f"chunk_inputs(..., {s}, {e}) returned {h.dtype} activations and {i.dtype} ids for "
-                        f"{hidden.dtype} and {ids.dtype}: a cast copied the rows; a chunk must be a view of the batch"
-                    )
-                if not (torch.equal(h, hidden[s:e]) and torch.equal(i, ids[s:e])):
-                    fail(f"chunk_inputs(..., {s}, {e}) did not return rows [{s}, {e}) of hidden and topk_ids")
-                if not (is_view_of(h, hidden, s, e) and is_view_of(i, ids, s, e)):
-                    fail(
-                        f"chunk_inputs(..., {s}, {e}) copied the rows: a chunk must be a view of the batch "
-                        "(slicing allocates nothing)"
-                    )
-                want_scale = None if scale is None else scale if scale.numel() == 1 else scale[s:e]
-                if (sc is None) != (want_scale is None) or (sc is not None and not torch.equal(sc, want_scale)):
-                    fail(
-                        f"chunk_inputs with a {kind} scale, chunk [{s}, {e}): got scale "
-                        f"{None if sc is None else tuple(sc.shape)}, expected "
-                        f"{None if want_scale is None else tuple(want_scale.shape)}"
-                        + (
-                            " (a per-tensor scale is shared by every chunk; #28728 sliced it empty)"
-                            if kind == "per-tensor"
-                            else ""
+    for i in range(12):  # case i takes the i-th activation dtype and kind of scale in turn
+        dtype, kind = ACT_DTYPES[i % 4], SCALES[i % 4]
+        M = 0 if i == 0 else r.randint(1, 300)
+        K = r.randint(129, 600) if kind == "per-group" else r.randint(1, 300)  # more than one group of 128
+        rt = replace(sampler.routing(i), M=M)
+        plan = [(c.start, c.end) for c in chunk_ranges(M, r.randint(1, max(M // 2, 1)))] or [(0, 0)]
+        s, e = plan[-1] if i % 2 == 0 else r.choice(plan)  # even cases: the last chunk (a per-tensor scale's)
+        for note in ("", AGAIN):
+            hidden = sampler.tensor(M, K + 3 * (i % 2)).to(dtype)[:, :K]  # odd cases: a strided view
+            ids = sampler.batch(rt).ids
+            scale = None
+            if kind == "per-token":
+                scale = sampler.tensor(M, 1)
+            elif kind == "per-group":
+                scale = sampler.tensor(-(-K // 128), M).t()  # column-major, as DeepGEMM keeps it
+            elif kind == "per-tensor":
+                scale = sampler.tensor(1)
+            sampler.case = (
+                f"chunk_inputs(rows [{s}, {e}) of {M}x{K} {str(dtype)[6:]} activations{' (strided)' * (i % 2)}, "
+                f"{rt}, {kind} scale){note}"
+            )
+            got = read_only(sampler, chunk_inputs, "hidden topk_ids a_scale start end", hidden, ids, scale, s, e)
+            rows = (0, 1) if kind == "per-tensor" else (s, e)
+            want = {"hidden": (hidden, s, e), "topk_ids": (ids, s, e), "a_scale": (scale, *rows)}
+            for (name, (base, a, b)), x in zip(want.items(), got, strict=True):
+                if base is None or x is None:
+                    if (base is None) != (x is None):
+                        fail(
+                            f"{sampler.case} returned {x if x is None else tuple(x.shape)} as {name}, for {kind} scale"
                         )
+                    continue
+                if tuple(x.shape) != tuple(base[a:b].shape) or not torch.equal(x.float(), base[a:b].float()):
+                    fail(
+                        f"{sampler.case} returned {tuple(x.shape)} {name}; expected its rows [{a}, {b})"
+                        + " (a per-tensor scale is shared by every chunk: it passes whole)" * (kind == "per-tensor")
                     )
-                cases += 1
+                if not is_view_of(x, base, a, b):
+                    fail(
+                        f"{sampler.case} copied {name}{' (a cast)' * (x.dtype != base.dtype)}: a chunk's {name} "
+                        "must be a view of the batch's (slicing allocates nothing)"
+                    )
+            cases += 1
     return cases
-
-
-def _short(ranges) -> str:
-    return str(ranges) if len(ranges) <= 4 else f"[{ranges[0]}, {ranges[1]}, ..., {ranges[-1]}] ({len(ranges)} chunks)"
 
 
 # ---------------------------------------------------------------------------------------------
 # 2. workspace shapes of a new backend
 
 
-def check_workspace_shapes(experts_class) -> int:
-    """``experts_class()`` (a :class:`moekit.workbook.backends.GatedTorchExperts`) runs in the real
-    ModularKernel at several (M, C) and matches the reference; its shapes follow each chunk's M."""
+def check_workspace_shapes(experts_class, *, sampler: Sampler) -> int:
+    """``experts_class()`` (a :class:`moekit.workbook.backends.GatedTorchExperts`) runs in the
+    real ModularKernel for M >= 0, any C, topk, K and N (independent), act dtypes and EP ranks,
+    and matches the reference; each chunk's workspaces hold fewer than twice the bytes that the
+    kit's solution declares for that chunk."""
     from moekit.modular_kernel import ModularKernel
     from moekit.prepare_finalize import NoEPPrepareFinalize
-    from moekit.testing import make_problem
+    from moekit.testing import assert_close, make_problem
+    from moekit.types import ProblemSize
+    from moekit.workbook.solutions.workspace import MyExperts
 
-    cases = 0
-    for M, C in ((130, 128), (7, 3), (64, None), (1, 1), (257, 64)):
-        p = make_problem(M, E=4, topk=2, K=32, N=64, dtype=torch.float32, seed=M)
+    r, cases = sampler.rng, 0
+    pins = (
+        {"M": 130, "C": 128},
+        {"K": r.randint(65, 160), "N": 2 * r.randint(1, 16)},
+        {"K": r.randint(1, 15)},
+        {"M": 0},
+        {},
+        {},
+    )
+    for i, pin in enumerate(pins):
+        M = pin.get("M", r.randint(1, 200))
+        C = pin.get("C", r.choice((None, r.randint(max(M // 6, 1), M + 1))))  # at most about 6 chunks
+        K, N = pin.get("K", r.randint(1, 160)), pin.get("N", 2 * r.randint(16, 64))
+        E, dtype = r.randint(1, 12), ACT_DTYPES[i % 3]
+        topk, ep = r.randint(1, E), r.randint(1, E)
+        rank = r.randrange(ep)
+        p = make_problem(M, E=E, topk=topk, K=K, N=N, dtype=dtype, seed=r.getrandbits(31))
+        p = p.shard(rank, ep) if ep > 1 else p
+        sampler.case = f"M={M}, C={C}, E={E} (rank {rank} of {ep}), topk={topk}, K={K}, N={N}, {str(dtype)[6:]}"
         kernel = ModularKernel(NoEPPrepareFinalize(), experts_class(), chunk_size=C)
         try:
-            out = kernel(*p.inputs())
+            out = kernel(*p.inputs(), **p.options())
         except Exception as e:  # the learner meets the failure where the real code meets it
-            fail(
-                f"M={M}, C={C}: chunk {len(kernel.last_trace.chunks) - 1 if kernel.last_trace else 0} failed with "
-                f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-            )
-        ref = p.reference()
-        if not torch.allclose(out, ref, rtol=1e-4, atol=1e-4):
-            fail(f"M={M}, C={C}: the output differs from the reference by {(out - ref).abs().max().item():.3g}")
+            chunk = len(kernel.last_trace.chunks) - 1 if kernel.last_trace else 0
+            fail(f"{sampler.case}: chunk {chunk} failed with {type(e).__name__}: {[*str(e).splitlines(), ''][0][:200]}")
+        try:
+            assert_close(out, p.reference(), dtype=dtype)
+        except AssertionError as e:
+            fail(f"{sampler.case}: the output differs from the reference ({str(e).splitlines()[0][:120]})")
         for c in kernel.last_trace:
-            pairs, N = c.M * 2, 64
-            need = {"workspace13": pairs * N, "workspace2": pairs * N // 2}
-            for name, numel in need.items():
-                shape = getattr(c.shapes, name)
-                got = int(torch.Size(shape).numel())
-                if got > 2 * numel:
-                    fail(
-                        f"M={M}, C={C}, chunk {c.index} ({c.M} tokens): {name} declared {shape}, {got} elements "
-                        f"for {numel} needed: declare what this chunk needs (its own M), not the batch"
-                    )
+            size = ProblemSize(c.M, N, K, topk, E, p.w1.shape[0])
+            need = MyExperts().workspace_shapes(size, act_dtype=dtype).workspace_bytes
+            got = c.needed.workspace_bytes
+            if got and got >= 2 * need:
+                fail(
+                    f"{sampler.case}, chunk {c.index} ({c.M} tokens): declared {c.needed.workspace13} and "
+                    f"{c.needed.workspace2} of {c.needed.dtype}, {got} bytes where this chunk needs {need}: size "
+                    "each buffer by this chunk's own problem (its M, not the batch's), in act_dtype"
+                )
             cases += 1
     return cases
 
@@ -135,40 +178,35 @@ def check_workspace_shapes(experts_class) -> int:
 # 3. the per-chunk recount
 
 
-def check_recount(chunk_counts) -> int:
+def check_recount(chunk_counts, *, sampler: Sampler) -> int:
     """``chunk_counts(topk_ids, start, end, E_local, expert_map)`` equals the reference count of
-    rows ``[start, end)`` for maps with -1, -1 slots, ids beyond the map and >= E_local without
-    one, int32/int64 ids, E=1, topk=E, empty chunks (at the end and in the middle), and does not
-    change when rows outside the chunk change."""
+    rows ``[start, end)`` for every ids dtype and kind of map (none, contiguous, strided,
+    random), -1 slots, ids past the map or >= E_local, E = 1, an expert past int16's limit, and
+    chunks whole, empty or inside; it counts the chunk's own rows, changes none of its inputs,
+    and answers new data of the same sizes anew."""
     from moekit.reference import count_reference
-    from moekit.routing import contiguous_expert_map
 
-    cases = 0
-    for M, E, topk, ep in ((37, 8, 2, 1), (130, 16, 4, 2), (9, 1, 1, 1), (20, 4, 4, 2), (64, 6, 2, 3)):
-        for dtype in (torch.int32, torch.int64):
-            ids = random_ids(M, topk, E, seed=M + E, dtype=dtype, empty_every=3)
-            ids.view(-1)[1::7] = E + ids.view(-1)[1::7].abs() % 3  # past the map; >= E_local without one
-            E_local = E // ep
-            for rank in range(ep):
-                emap = contiguous_expert_map(E, ep, rank, device="cpu") if ep > 1 else None
-                for s, e in ((0, min(16, M)), (min(16, M), M), (M, M), (M // 2, M // 2)):
-                    want = count_reference(ids[s:e], E_local, emap).long().tolist()
-                    got = torch.as_tensor(chunk_counts(ids, s, e, E_local, emap)).long().tolist()
-                    if got != want:
-                        fail(
-                            f"chunk_counts(rows [{s}, {e}) of {M}x{topk} ids, E_local={E_local}, "
-                            f"{'a map' if emap is not None else 'no map'}) gave {got}; expected {want}"
-                        )
-                    other = ids.clone()
-                    other[:s] = random_ids(s, topk, E, seed=99, dtype=dtype)
-                    other[e:] = random_ids(M - e, topk, E, seed=98, dtype=dtype)
-                    again = torch.as_tensor(chunk_counts(other, s, e, E_local, emap)).long().tolist()
-                    if again != got:
-                        fail(
-                            f"chunk_counts(..., {s}, {e}) changed when rows outside [{s}, {e}) changed: count "
-                            "the chunk's own rows (bug 2: whole-batch counts handed to a chunk)"
-                        )
-                    cases += 1
+    cases, names = 0, "topk_ids start end num_local_experts expert_map"
+    for rt in sampler.routings(4, {"M": 0}, {"M": 1, "E": 1}, {"hot": HOT, "E": 3}):
+        first, again, other = sampler.batch(rt), sampler.batch(rt), sampler.batch(rt)
+        for s, e in sampler.ranges(rt.M):
+            for b, note in ((first, ""), (again, AGAIN)):
+                sampler.case = f"chunk_counts(rows [{s}, {e}) of {rt}){note}"
+                got = read_only(sampler, chunk_counts, names, b.ids, s, e, b.num_local, b.expert_map)
+                got = torch.as_tensor(got).long().tolist()
+                want = count_reference(b.ids[s:e], b.num_local, b.expert_map).tolist()
+                if got != want:
+                    fail(f"{sampler.case} gave {difference(got, want)}")
+                cases += 1
+            mixed = other.ids.clone()
+            mixed[s:e] = first.ids[s:e]
+            sampler.case = f"chunk_counts(rows [{s}, {e}) of {rt}), other rows changed"
+            got = torch.as_tensor(read_only(sampler, chunk_counts, names, mixed, s, e, rt.num_local, first.expert_map))
+            if got.long().tolist() != count_reference(first.ids[s:e], rt.num_local, first.expert_map).tolist():
+                fail(
+                    f"chunk_counts(..., {s}, {e}) changed when rows outside [{s}, {e}) changed: count the chunk's own "
+                    "rows (bug 2: whole-batch counts handed to a chunk)"
+                )
     return cases
 
 
@@ -176,45 +214,54 @@ def check_recount(chunk_counts) -> int:
 # 6. a chunk plan along the sorted rows
 
 
-def check_row_plan(row_chunk_plan) -> int:
-    """``row_chunk_plan(counts, R)``: chunks of at most R sorted rows, starting on 128-row
-    blocks, tiling every expert's padded run, as few as R allows, and so each expert is read by
-    about one chunk: expert reads <= experts touched + chunks - 1. (For ranges that tile the
-    layout the last bound follows from the tiling: each boundary cuts at most one expert. It is
-    kept as the statement of what the plan is for.)"""
+def check_row_plan(row_chunk_plan, *, sampler: Sampler) -> int:
+    """``row_chunk_plan(counts, R)`` for 1 to 64 experts with 0, 1, exact multiples of 128 and
+    many blocks of rows, R any multiple of 128: chunks of at most R sorted rows, starting on
+    128-row blocks, tiling every expert's padded run, as few as R allows, and so each expert is
+    read by about one chunk: expert reads <= experts touched + chunks - 1. (For ranges that tile
+    the layout the last bound follows from the tiling: each boundary cuts at most one expert. It
+    is kept as the statement of what the plan is for.) ``counts`` is read-only."""
     from moekit.viz.rows import expert_segments
 
-    cases = 0
-    g = torch.Generator().manual_seed(3)
-    exact = torch.tensor([128, 0, 256, 1, 127, 384, 129])  # whole blocks on purpose: no padding to add
-    for E in (1, 4, 16, exact.numel()):
-        for R in (128, 256, 384):
-            counts = exact.clone() if E == exact.numel() else torch.randint(0, 400, (E,), generator=g)
-            counts[::3] = 0 if 2 < E < exact.numel() else counts[::3]
-            bounds = expert_segments(counts)
+    r, cases = sampler.rng, 0
+    for i in range(10):
+        E = 1 if i == 1 else r.randint(1, 64)
+        R = ALIGN_M * (10_000 if i == 2 else r.randint(1, 12))  # case 2: R past the whole layout
+        menu = [0, 1, 127, 128, 129, 256, 1000, r.randint(0, 3000)]
+        menu = [0, 128, 256, 640] if i == 0 else [0] if i == 1 else menu  # case 0: whole blocks; case 1: no rows
+        for note in ("", AGAIN):
+            counts = [r.choice(menu) for _ in range(E)]
+            sampler.case = f"row_chunk_plan({_short(counts, 'experts')}, R={R}){note}"
+            bounds = expert_segments(torch.tensor(counts))
             total = int(bounds[-1])
-            plan = [tuple(int(v) for v in r) for r in row_chunk_plan(counts.tolist(), R)]
+            plan = [tuple(int(v) for v in c) for c in read_only(sampler, row_chunk_plan, "counts R", counts, R)]
             gaps = any(a[1] != b[0] for a, b in zip(plan, plan[1:], strict=False))
             if plan and (plan[0][0] != 0 or plan[-1][1] != total or gaps):
-                fail(f"row_chunk_plan({counts.tolist()}, R={R}) gave {_short(plan)}: the chunks must tile [0, {total})")
+                fail(f"{sampler.case} gave {_short(plan)}: the chunks must tile [0, {total})")
             if any(e - s > R or e <= s for s, e in plan) or any(s % ALIGN_M for s, _ in plan):
                 fail(
-                    f"row_chunk_plan(..., R={R}) gave {_short(plan)}: every chunk must hold 1..R rows and start on "
-                    "a 128-row block"
+                    f"{sampler.case} gave {_short(plan)}: every chunk must hold 1..R rows and start on a 128-row block"
                 )
             if len(plan) != -(-total // R) or (not plan and total):
-                fail(f"row_chunk_plan(..., R={R}) used {len(plan)} chunks for {total} rows; {-(-total // R)} suffice")
-            start, end = bounds[:-1], bounds[:-1] + counts
-            reads = sum(int(((start < e) & (end > s) & (counts > 0)).sum()) for s, e in plan)
-            touched = int((counts > 0).sum())
+                fail(f"{sampler.case} used {len(plan)} chunks for {total} rows; {-(-total // R)} suffice")
+            start, end = bounds[:-1], bounds[:-1] + torch.tensor(counts)
+            reads = sum(int(((start < e) & (end > s) & (end > start)).sum()) for s, e in plan)
+            touched = sum(c > 0 for c in counts)
             if reads > touched + max(len(plan) - 1, 0):
                 fail(
-                    f"row_chunk_plan({_short(counts.tolist())}, R={R}) gave {_short(plan)}: {reads} expert reads for "
-                    f"{touched} experts in {len(plan)} chunks; each expert is read once, plus once more for each "
-                    "chunk boundary that cuts it"
+                    f"{sampler.case} gave {_short(plan)}: {reads} expert reads for {touched} experts in {len(plan)} "
+                    "chunks; each expert is read once, plus once more for each chunk boundary that cuts it"
                 )
             cases += 1
     return cases
 
 
-__all__ = ["check_chunk_plan", "check_recount", "check_row_plan", "check_workspace_shapes", "fail"]
+__all__ = [
+    "check_chunk_plan",
+    "check_recount",
+    "check_row_plan",
+    "check_workspace_shapes",
+    "difference",
+    "fail",
+    "read_only",
+]

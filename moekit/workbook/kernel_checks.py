@@ -1,151 +1,127 @@
 """Checks of the Triton exercises (4: the count kernels, 5: the align kernel).
 
-Each launches the learner's ``@triton.jit`` kernel with a fixed signature and grid, on cases
-built on purpose: -1 slots, maps with -1, ids beyond the map, ids >= E_local without a map, ids
->= num_experts and >= NUM_BINS, int32 and int64 ids, empty input, experts with exactly a
-multiple of BLOCK_M pairs. Every tensor sits inside a larger buffer whose margins hold 0, a
-valid expert, so a kernel that strays past its tensors reads numbers it can miscount instead of
-memory it does not own.
+Each launches the learner's ``@triton.jit`` kernel with a fixed signature and grid on cases
+drawn by a :class:`moekit.workbook.cases.Sampler`: every ids dtype and kind of expert map, -1
+slots, ids past the map, >= E_local without one, >= num_experts and >= NUM_BINS, BLOCK (and
+BLOCK_M) among several sizes, empty input, whole tiles, experts with 0, 1 and exactly a
+multiple of BLOCK_M pairs, and one expert past int16's limit (past int8's in a tile). Every
+tensor sits inside a larger buffer whose margins hold 0, a valid expert, so a kernel that
+strays past its tensors reads numbers it can miscount instead of memory it does not own.
+Inputs are compared before and after.
 
 Under the interpreter the checks also watch *how* the kernel ran
-(:func:`moekit.workbook.probes.watch_memory`): every lane outside the given tensors, any write
-to an input, any non-atomic write that two programs make to one element (the interpreter runs
-programs one after another, so a race never shows in the answer), ``tl.histogram`` values
-outside its bins (a GPU keeps their low bits), which program read which ids, and the work done
-per id. A scan in disguise, a one-program "histogram" or a load-add-store counter gives the
-right answer here and still fails.
+(:func:`moekit.workbook.probes.watch_memory`): that a Triton kernel ran, read every id and
+wrote every result itself (a host function behind ``__getitem__`` launches nothing); every
+lane outside the given tensors, any write to an input, any non-atomic write that two programs
+make to one element (the interpreter runs programs one after another, so a race never shows in
+the answer), ``tl.histogram`` values outside its bins (a GPU keeps their low bits), which
+program read which ids, and the work done per id. A scan in disguise, a one-program
+"histogram" or a load-add-store counter gives the right answer here and still fails. On a GPU
+the checks require a :class:`triton.runtime.jit.JITFunction` and see only the answers.
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 
 import torch
 import triton
 
-from moekit.device import interpreting
-from moekit.workbook.checks import fail, random_ids
-from moekit.workbook.probes import watch_memory
+from moekit.device import get_device, interpreting
+from moekit.reference import count_reference
+from moekit.workbook.cases import BLOCKS, HOT, Batch, Sampler, num_bins
+from moekit.workbook.checks import difference, fail
+from moekit.workbook.probes import is_triton_kernel, watch_inputs, watch_memory
 
-MARGIN = 64  # zeros around every tensor the kernel gets
-BLOCK = 64  # the ids' tile: the checks launch every count kernel with it
+BLOCK_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # the align's block sizes
+PROGRAMS = 120  # at most this many programs (or scan steps, per expert) per drawn case: the interpreter runs each
 WORK_SLACK = 16  # element operations a one-pass count may spend per bin and program
+COUNT_EDGES = ({"M": 0}, {"M": 1, "E": 1}, {"M": 128, "topk": 2}, {"hot": HOT, "E": 2})  # 256 ids: whole tiles
 
 
-def _padded(t: torch.Tensor) -> torch.Tensor:
-    """``t`` (1-D) inside a buffer with MARGIN zeros on each side; returns the view of ``t``."""
-    buf = torch.zeros(t.numel() + 2 * MARGIN, dtype=t.dtype, device=t.device)
-    buf[MARGIN : MARGIN + t.numel()] = t
-    return buf[MARGIN : MARGIN + t.numel()]
+def _padded(t: torch.Tensor, margin: int) -> torch.Tensor:
+    """``t`` (1-D) inside a buffer with ``margin`` zeros on each side; returns the view of ``t``."""
+    buf = torch.zeros(t.numel() + 2 * margin, dtype=t.dtype, device=get_device())
+    buf[margin : margin + t.numel()] = t
+    return buf[margin : margin + t.numel()]
 
 
-def num_bins(n: int) -> int:
-    """The histogram's bins for ids below ``n``: a power of two above n, at least 32."""
-    return max(32, triton.next_power_of_2(n + 1))
+def _watched(**tensors):
+    return watch_memory(**tensors) if interpreting() else contextlib.nullcontext(None)
 
 
-def beyond(ids: torch.Tensor, limit: int, *, every: int = 5) -> torch.Tensor:
-    """``ids`` with every ``every``-th slot set to an id at or past ``limit`` (limit, limit + 3,
-    and one at or past the histogram's bins), which the kernel must not count."""
-    out, flat = ids.clone(), ids.clone().reshape(-1)
-    far = (limit, limit + 3, num_bins(limit) + 1)
-    for j, i in enumerate(range(2, flat.numel(), every)):
-        flat[i] = far[j % len(far)]
-    assert max(far) < limit + MARGIN, "out-of-range ids stay inside the margins"
-    return flat.view(out.shape)
+def _require_kernel(what: str, kernel) -> None:
+    if not is_triton_kernel(kernel):
+        fail(f"{what} is a {type(kernel).__name__}, not a @triton.jit function: the exercise is a Triton kernel")
 
 
-def _count_cases():
-    """(ids, E_local, expert_map or None, name): -1 slots, maps with -1, out-of-range ids,
-    int32/int64, E_local = 1, one tile and several, empty input."""
-    from moekit.routing import contiguous_expert_map
-
-    i32, i64 = torch.int32, torch.int64
-    for M, topk, E, ep, dtype in (
-        (50, 2, 8, 1, i32),
-        (33, 4, 16, 2, i64),
-        (9, 1, 1, 1, i32),
-        (40, 3, 3, 1, i64),
-        (0, 2, 4, 1, i32),
-        (70, 2, 8, 4, i32),
-        (64, 2, 6, 1, i64),
-    ):
-        ids = random_ids(M, topk, E, seed=M * 7 + E, dtype=dtype, empty_every=4)
-        if M not in (9, 64):  # (9: in range only; 64: exactly two tiles of in-range ids)
-            ids = beyond(ids, E)  # past the map with one, >= E_local without
-        for rank in (0, ep - 1):
-            emap = contiguous_expert_map(E, ep, rank, device="cpu").to(dtype) if ep > 1 else None
-            name = f"{M}x{topk} {str(dtype)[6:]} ids, E={E}, " + (
-                f"rank {rank} of {ep}" if emap is not None else "no map"
-            )
-            yield ids, E // ep, emap, name
+def _launch(kernel, grid, case: str, tensors: dict, *sizes, margin: int, inputs=("ids", "map"), **meta):
+    """``kernel[grid](*tensors, *sizes, **meta)`` on copies of ``tensors`` padded by ``margin``
+    (a None tensor passes the ids in its place), watched; fails when it changed one of
+    ``inputs``. Returns the copies by name, and the MemoryOps (None on a GPU)."""
+    bufs = {n: None if t is None else _padded(t.reshape(-1), margin) for n, t in tensors.items()}
+    with watch_inputs(**{n: bufs[n] for n in inputs}) as changed, _watched(**bufs) as ops:
+        if grid[0]:
+            kernel[grid](*(bufs["ids"] if t is None else t for t in bufs.values()), *sizes, **meta)
+    if changed:
+        fail(f"{case} changed its input {changed[0]}: inputs are read-only")
+    return bufs, ops
 
 
-def _launch_count(kernel, ids, mp, out, E_local, limit, *, scan: bool):
-    numel = ids.numel()
-    if scan:
-        kernel[(E_local,)](
-            ids, mp if mp is not None else ids, out, numel, limit, E_local, HAS_MAP=mp is not None, BLOCK=BLOCK
-        )
-    elif numel:
-        grid = (triton.cdiv(numel, BLOCK),)
-        kernel[grid](
-            ids,
-            mp if mp is not None else ids,
-            out,
-            numel,
-            limit,
-            E_local,
-            HAS_MAP=mp is not None,
-            BLOCK=BLOCK,
-            NUM_BINS=num_bins(E_local),
-        )
+def _run_count(kernel, b: Batch, block: int, case: str, *, scan: bool):
+    """Launch once, as the exercise's text says; returns (counts, MemoryOps or None)."""
+    numel, has_map = b.ids.numel(), b.expert_map is not None
+    grid = (b.num_local,) if scan else (triton.cdiv(numel, block),)
+    meta = {"HAS_MAP": has_map, "BLOCK": block} | ({} if scan else {"NUM_BINS": num_bins(b.num_local)})
+    tensors = {"ids": b.ids, "map": b.expert_map, "out": torch.zeros(b.num_local, dtype=torch.int32)}
+    limit, margin = b.routing.E if has_map else b.num_local, num_bins(b.routing.E) + block
+    bufs, ops = _launch(kernel, grid, case, tensors, numel, limit, b.num_local, margin=margin, **meta)
+    return bufs["out"].long().cpu().tolist(), ops
 
 
-def _run_count(kernel, ids, E_local, emap, *, scan: bool):
-    """Launch once on padded copies; returns (counts, MemoryOps or None)."""
-    from moekit.device import get_device
-
-    device = get_device()
-    flat = _padded(ids.reshape(-1).to(device))
-    mp = _padded(emap.to(device)) if emap is not None else None
-    out = _padded(torch.zeros(E_local, dtype=torch.int32, device=device))
-    limit = emap.numel() if emap is not None else E_local
-    probe = watch_memory(ids=flat, map=mp, out=out) if interpreting() else contextlib.nullcontext(None)
-    with probe as ops:
-        _launch_count(kernel, flat, mp, out, E_local, limit, scan=scan)
-    return out.long().cpu().tolist(), ops
+def _check_ran(case: str, ops, numel: int, results: dict) -> None:
+    """A Triton kernel did the work: it ran, read every id and wrote every result (``results``:
+    element indices per tensor); a host function behind ``__getitem__`` launches nothing."""
+    if (numel or any(len(want) for want in results.values())) and not ops.launches:
+        fail(f"{case}: no Triton kernel ran (the interpreter saw no launch): the work must happen in the kernel")
+    if len(ops.read_set("ids")) < numel:
+        fail(f"{case}: the kernel read {len(ops.read_set('ids'))} of the {numel} ids; it must read every id itself")
+    for t, want in results.items():
+        missed = sorted(set(want) - set(ops.written(t).tolist()))
+        if missed:
+            fail(f"{case}: the kernel never wrote {t}[{missed[0]}], which holds a result: the kernel writes them all")
 
 
-def _check_memory(what: str, name: str, ops, *, inputs=("ids", "map"), shared=("out",)) -> None:
+def _check_memory(case: str, ops, *, inputs=("ids", "map"), shared=("out",)) -> None:
     """What every kernel of the workbook must respect, whatever its algorithm."""
     stray = {k: v for k, v in ops.outside.items() if v}
     if stray:
         lanes = ", ".join(f"{v} {k} lanes" for k, v in stray.items())
         fail(
-            f"{what} on {name} touched memory outside its tensors ({lanes}): mask every lane that is past the ids, "
+            f"{case} touched memory outside its tensors ({lanes}): mask every lane that is past the ids, "
             "or an id that is negative, past the map or >= E"
         )
     for t in inputs:
         if ops.writes(t):
-            fail(f"{what} on {name} wrote {ops.writes(t)} elements of '{t}', an input (an atomic on it writes too)")
+            fail(f"{case} wrote {ops.writes(t)} elements of '{t}', an input (an atomic on it writes too)")
     for t in shared:
         races = ops.races(t)
         if races:
             fail(
-                f"{what} on {name}: programs wrote {t} without an atomic where another program also touched it "
+                f"{case}: programs wrote {t} without an atomic where another program also touched it "
                 f"({races[0]}{' and more' if len(races) > 1 else ''}): on a GPU they run at once and updates are "
                 "lost; the interpreter runs them one by one and cannot show it"
             )
     if ops.histogram_misses:
         p, v, bins = ops.histogram_misses[0]
         fail(
-            f"{what} on {name}: program {p} gave tl.histogram the value {v} with {bins} bins; a GPU keeps only the "
+            f"{case}: program {p} gave tl.histogram the value {v} with {bins} bins; a GPU keeps only the "
             "low bits (it lands in another bin): send ids that must not count to the spare bin"
         )
 
 
-def _check_programs(what: str, name: str, ops, numel: int, E_local: int, *, scan: bool) -> None:
+def _check_programs(case: str, ops, numel: int, E_local: int, block: int, *, scan: bool) -> None:
     """How the work is split: the scan's programs each walk every id and store their own
     expert; the one-pass count's programs each read their own tile, each id once."""
     if scan:
@@ -153,159 +129,153 @@ def _check_programs(what: str, name: str, ops, numel: int, E_local: int, *, scan
             seen = ops.read_set("ids", p)
             if len(seen) < numel:
                 fail(
-                    f"{what} on {name}: program {p} read {len(seen)} of the {numel} ids; in the seed's scan every "
+                    f"{case}: program {p} read {len(seen)} of the {numel} ids; in the seed's scan every "
                     "program walks every id (its expert's count)"
                 )
         for p in range(E_local):
             others = [int(i) for i in ops.written("out", p) if i != p]
             if others:
                 fail(
-                    f"{what} on {name}: program {p} wrote out[{others[0]}]; each program stores its own expert's "
+                    f"{case}: program {p} wrote out[{others[0]}]; each program stores its own expert's "
                     "count, at out_ptr + program_id"
                 )
         return
     if ops.reads("ids") > numel:
         fail(
-            f"{what} on {name} read ids {ops.reads('ids')} times for {numel} "
+            f"{case} read ids {ops.reads('ids')} times for {numel} "
             f"({ops.reads('ids') / numel:.1f} per id, loads and atomics alike): a one-pass count reads each id once"
         )
     if ops.reads("map") > numel:
-        fail(f"{what} on {name} read the map {ops.reads('map')} times for {numel} ids: gather it at most once per id")
+        fail(f"{case} read the map {ops.reads('map')} times for {numel} ids: gather it at most once per id")
     for p in sorted(ops.programs):
-        if ops.reads("ids", p) > BLOCK:
+        if ops.reads("ids", p) > block:
             fail(
-                f"{what} on {name}: program {p} read {ops.reads('ids', p)} ids, more than its tile of BLOCK={BLOCK}"
+                f"{case}: program {p} read {ops.reads('ids', p)} ids, more than its tile of BLOCK={block}"
                 f"{' (all the work in one program)' if ops.reads('ids', p) >= numel else ''}: the grid has one "
                 "program per tile, and each counts its own tile"
             )
 
 
-def _check_work(kernel) -> int:
+def _check_work(kernel, sampler: Sampler) -> int:
     """A one-pass count does a fixed amount of work per id: going from 4 to 120 local experts
     may add work per bin (the histogram is wider), never per id and expert."""
-    ids = random_ids(4 * BLOCK // 2, 2, 120, seed=11)
-    work = {}
+    rt = sampler.routing(0, M=128, topk=2, E=120, map="none")
+    b, block, work = sampler.batch(rt), 64, {}
     for E_local in (4, 120):
-        got, ops = _run_count(kernel, ids, E_local, None, scan=False)
-        if got != _count_reference(ids, E_local):
-            fail(f"histogram_kernel on {ids.shape[0]}x2 ids, E={E_local}, no map: got {got}")
+        local = Batch(rt, b.ids, None, E_local)
+        sampler.case = f"histogram_kernel on {rt}, E_local={E_local}, BLOCK={block}"
+        got, ops = _run_count(kernel, local, block, sampler.case, scan=False)
+        if got != count_reference(b.ids, E_local).tolist():
+            fail(f"{sampler.case}: got {difference(got, count_reference(b.ids, E_local).tolist())}")
         work[E_local] = ops.total_work
-    programs, extra_bins = 4, num_bins(120) - num_bins(4)
-    grown = work[120] - work[4]
+    programs, extra_bins, grown = b.ids.numel() // block, num_bins(120) - num_bins(4), work[120] - work[4]
     if grown > WORK_SLACK * extra_bins * programs:
         fail(
             f"histogram_kernel: its work grew from {work[4]} to {work[120]} element operations when E_local went "
-            f"from 4 to 120 ({grown / ids.numel():.0f} more per id): a one-pass count does a fixed amount of work "
+            f"from 4 to 120 ({grown / b.ids.numel():.0f} more per id): a one-pass count does a fixed amount of work "
             "per id, whatever the number of experts (a loop over experts in registers is a scan)"
         )
     return 1
 
 
-def _count_reference(ids, E_local, emap=None):
-    from moekit.reference import count_reference
-
-    return count_reference(ids, E_local, emap).long().tolist()
-
-
-def _check_counts(kernel, *, scan: bool) -> int:
+def _check_counts(kernel, sampler: Sampler, *, scan: bool) -> int:
     what, cases = ("scan_kernel" if scan else "histogram_kernel"), 0
-    for ids, E_local, emap, name in _count_cases():
-        want = _count_reference(ids, E_local, emap)
-        got, ops = _run_count(kernel, ids, E_local, emap, scan=scan)
+    _require_kernel(what, kernel)
+    for rt in sampler.routings(6, *COUNT_EDGES, max_experts=48 if scan else 512):
+        block = sampler.rng.choice(BLOCKS[-1:] if rt.hot else BLOCKS)
+        if not rt.hot:  # the interpreter runs every program (and the scan every step) in Python
+            rt = replace(rt, M=min(rt.M, PROGRAMS * block // (rt.topk * (rt.num_local if scan else 1))))
+        b = sampler.batch(rt, block=block)
+        sampler.case = f"{what} on {rt}, BLOCK={block}"
+        want = count_reference(b.ids, b.num_local, b.expert_map).tolist()
+        got, ops = _run_count(kernel, b, block, sampler.case, scan=scan)
         if got != want:
-            fail(f"{what} on {name}: got {got}, expected {want}")
+            fail(f"{sampler.case}: got {difference(got, want)}")
         if ops is not None:
-            _check_memory(what, name, ops)
-            if ids.numel():
-                _check_programs(what, name, ops, ids.numel(), E_local, scan=scan)
+            _check_memory(sampler.case, ops)
+            _check_ran(sampler.case, ops, b.ids.numel(), {"out": [e for e, n in enumerate(want) if n]})
+            if b.ids.numel():
+                _check_programs(sampler.case, ops, b.ids.numel(), b.num_local, block, scan=scan)
         cases += 1
     if interpreting() and not scan:
-        cases += _check_work(kernel)
+        cases += _check_work(kernel, sampler)
     return cases
 
 
-def check_scan_kernel(kernel) -> int:
+def check_scan_kernel(kernel, *, sampler: Sampler) -> int:
     """The seed's algorithm: one program per local expert, each walking every id."""
-    return _check_counts(kernel, scan=True)
+    return _check_counts(kernel, sampler, scan=True)
 
 
-def check_histogram_kernel(kernel) -> int:
+def check_histogram_kernel(kernel, *, sampler: Sampler) -> int:
     """One pass: right counts, and (under the interpreter) one tile per program, each id and map
     entry read once, atomics where programs meet, and work per id independent of E."""
-    return _check_counts(kernel, scan=False)
+    return _check_counts(kernel, sampler, scan=False)
 
 
 # ---------------------------------------------------------------------------------------------
 # 5. moe_align_block_size
 
 
-def _align_cases():
-    """(ids, E, BLOCK_M, name): random ids with -1 and ids >= num_experts (and >= NUM_BINS),
-    experts with exactly one and two blocks of pairs, one expert, empty input."""
-    exact = torch.tensor([0] * 8 + [1] * 16 + [2] * 9 + [4] * 8, dtype=torch.int32)  # BLOCK_M=8: 1, 2, 2, 0, 1, 0
-    yield exact[torch.randperm(exact.numel(), generator=torch.Generator().manual_seed(5))].view(-1, 1), 6, 8, "exact"
-    for M, topk, E, block_m in ((9, 2, 3, 4), (50, 2, 8, 16), (1, 1, 1, 16), (30, 4, 5, 8), (0, 2, 4, 4)):
-        ids = random_ids(M, topk, E, seed=M + E, empty_every=3)
-        yield (beyond(ids, E) if M > 1 else ids), E, block_m, "random"
-
-
-def check_align_kernel(kernel) -> int:
+def check_align_kernel(kernel, *, sampler: Sampler) -> int:
     """``align_kernel`` (one program) sorts the pairs by expert and pads each expert to BLOCK_M.
     Any order of an expert's pairs inside its run is accepted (atomics assign the rows); every
     block's expert id is checked, and nothing past ``num_tokens_post_padded`` may be written."""
-    from moekit.device import get_device
-    from moekit.reference import count_reference
-
-    device, cases = get_device(), 0
-    for ids, E, block_m, kind in _align_cases():
-        ids = ids.to(device)
-        numel, bins = ids.numel(), num_bins(E)
-        bound = numel + E * (block_m - 1)
-        sorted_ids = _padded(torch.full((max(bound, 1),), numel, dtype=torch.int32, device=device))
-        expert_ids = _padded(torch.full((max(bound // block_m + 1, 1),), -1, dtype=torch.int32, device=device))
-        post = _padded(torch.zeros(1, dtype=torch.int32, device=device))
-        cursor = _padded(torch.zeros(bins, dtype=torch.int32, device=device))
-        flat_ids = _padded(ids.reshape(-1))
-        probe = (
-            watch_memory(ids=flat_ids, sorted=sorted_ids, expert_ids=expert_ids, post=post, cursor=cursor)
-            if interpreting()
-            else contextlib.nullcontext(None)
-        )
-        with probe as ops:
-            kernel[(1,)](
-                flat_ids, sorted_ids, expert_ids, post, cursor, numel, E, BLOCK_M=block_m, BLOCK=BLOCK, NUM_BINS=bins
-            )
-        counts = count_reference(ids, E).long().cpu()
+    _require_kernel("align_kernel", kernel)
+    cases = 0
+    for rt in sampler.routings(6, *COUNT_EDGES, map="none", max_experts=256):
+        block_m = sampler.rng.choice(BLOCK_MS[5:] if rt.hot else BLOCK_MS)
+        block = sampler.rng.choice(BLOCKS[-1:] if rt.hot else BLOCKS)
+        rt = rt if rt.hot else replace(rt, M=min(rt.M, 4 * PROGRAMS * block_m // rt.topk))  # blocks, one store each
+        b = sampler.batch(rt, block=block_m)
+        ids, E, bins = b.ids.reshape(-1), rt.E, num_bins(rt.E)
+        numel, bound = ids.numel(), ids.numel() + E * (block_m - 1)  # the most rows E padded runs can take
+        sampler.case = f"align_kernel on {rt}, BLOCK_M={block_m}, BLOCK={block}"
+        tensors = {
+            "ids": ids,
+            "sorted": torch.full((max(bound, 1),), numel, dtype=torch.int32),
+            "expert_ids": torch.full((max(bound // block_m + 1, 1),), -1, dtype=torch.int32),
+            "post": torch.zeros(1, dtype=torch.int32),
+            "cursor": torch.zeros(bins, dtype=torch.int32),
+        }
+        meta = {"BLOCK_M": block_m, "BLOCK": block, "NUM_BINS": bins}
+        bufs, ops = _launch(kernel, (1,), sampler.case, tensors, numel, E, margin=bins + block, inputs=("ids",), **meta)
+        counts = count_reference(ids, E).long()
         padded = (counts + block_m - 1) // block_m * block_m
-        total, name = int(padded.sum()), f"{ids.shape[0]}x{ids.shape[1]} ids ({kind}), E={E}, BLOCK_M={block_m}"
+        total, blocks = int(padded.sum()), int(padded.sum()) // block_m
+        srt, eid, post = bufs["sorted"].cpu(), bufs["expert_ids"].cpu(), bufs["post"].item()
         if ops is not None:
-            _check_memory("align_kernel", name, ops, inputs=("ids",), shared=())
-        if int(post.item()) != total:
-            fail(f"align_kernel on {name}: num_tokens_post_padded {int(post.item())}, expected {total}")
-        flat, srt, eid, start = ids.reshape(-1).cpu(), sorted_ids.cpu(), expert_ids.cpu(), 0
+            _check_memory(sampler.case, ops, inputs=("ids",), shared=())
+        if post != total:
+            fail(f"{sampler.case}: num_tokens_post_padded {post}, expected {total}")
+        start = 0
         for e in range(E):
             run = srt[start : start + int(padded[e])]
             pairs = sorted(p for p in run.tolist() if p != numel)
-            want = (flat == e).nonzero().flatten().tolist()
+            want = (ids == e).nonzero().flatten().tolist()
             if pairs != want:
                 fail(
-                    f"align_kernel on {name}: rows [{start}, {start + int(padded[e])}) of expert {e} hold pairs "
-                    f"{pairs[:8]}..., expected {want[:8]}..."
+                    f"{sampler.case}: rows [{start}, {start + int(padded[e])}) of expert {e} hold {len(pairs)} pairs "
+                    f"{pairs[:4]}..., expected {len(want)}: {want[:4]}..."
                 )
             start += int(padded[e])
-        want_blocks = torch.repeat_interleave(torch.arange(E), padded // block_m).tolist()
-        if eid[: total // block_m].tolist() != want_blocks:
+        want_blocks = torch.repeat_interleave(torch.arange(E), padded // block_m)
+        if not torch.equal(eid[:blocks].long(), want_blocks):
+            bad = int((eid[:blocks].long() != want_blocks).nonzero()[0])
             fail(
-                f"align_kernel on {name}: expert_ids of the {total // block_m} blocks are "
-                f"{eid[: total // block_m].tolist()[:12]}, expected {want_blocks[:12]}"
+                f"{sampler.case}: expert_ids of the {blocks} blocks: block {bad} holds {int(eid[bad])}, "
+                f"expected {int(want_blocks[bad])}"
             )
-        if (srt[total:] != numel).any() or (eid[total // block_m :] != -1).any():
+        if (srt[total:] != numel).any() or (eid[blocks:] != -1).any():
             fail(
-                f"align_kernel on {name}: wrote past num_tokens_post_padded={total} (sorted rows or expert_ids "
+                f"{sampler.case}: wrote past num_tokens_post_padded={total} (sorted rows or expert_ids "
                 "after the last block): those rows belong to no expert"
             )
+        if ops is not None:
+            rows = (srt[:total] != numel).nonzero().flatten().tolist()
+            _check_ran(sampler.case, ops, numel, {"post": [0], "expert_ids": range(blocks), "sorted": rows})
         cases += 1
     return cases
 
 
-__all__ = ["BLOCK", "MARGIN", "beyond", "check_align_kernel", "check_histogram_kernel", "check_scan_kernel", "num_bins"]
+__all__ = ["BLOCK_MS", "check_align_kernel", "check_histogram_kernel", "check_scan_kernel"]

@@ -5,13 +5,15 @@
   all), the element operations each program computes (its work), and every ``tl.histogram``
   value outside its bins. Triton's interpreter runs the programs of a grid one after another,
   so a race between two programs can never show up in the results; it shows up in the addresses.
-- :func:`count_loads`: the loads alone, per watched tensor (the older, narrower probe).
+- :func:`is_triton_kernel`: whether an object is a ``@triton.jit`` function at all.
+- :func:`watch_inputs`: which of a call's inputs the call changed.
 - :func:`shares_memory` and :func:`is_view_of`: whether a chunk is a view of the batch.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -45,7 +47,8 @@ class MemoryOps:
     (``kind`` is READ, WRITE or ATOMIC); ``outside[kind]`` counts live lanes whose address lies
     in no watched tensor; ``work[program]`` counts the elements that arithmetic, comparisons,
     selects, casts, dots and histograms produced; ``histogram_misses`` holds values given to
-    ``tl.histogram`` outside ``[0, bins)`` (a GPU keeps only their low bits).
+    ``tl.histogram`` outside ``[0, bins)`` (a GPU keeps only their low bits); ``launches``
+    names each interpreted kernel launched (a host function that does the work launches none).
     """
 
     names: tuple[str, ...]
@@ -54,6 +57,7 @@ class MemoryOps:
     work: dict = field(default_factory=lambda: defaultdict(int))
     programs: set = field(default_factory=set)
     histogram_misses: list = field(default_factory=list)
+    launches: list = field(default_factory=list)
 
     def _indices(self, name: str, kinds, program=None) -> np.ndarray:
         parts = [
@@ -69,7 +73,7 @@ class MemoryOps:
         """Elements of ``name`` written (stores and atomics)."""
         return int(self._indices(name, (WRITE, ATOMIC), program).size)
 
-    def read_set(self, name: str, program) -> set[int]:
+    def read_set(self, name: str, program=None) -> set[int]:
         return set(self._indices(name, (READ, ATOMIC), program).tolist())
 
     def written(self, name: str, program=None) -> np.ndarray:
@@ -106,8 +110,10 @@ def watch_memory(**tensors: torch.Tensor | None):
             kernel[grid](topk_ids, counts, ...)
         ops.reads("ids"), ops.races("out"), ops.outside, ops.work
 
-    Only under Triton's interpreter (the CPU); on a GPU nothing can be seen, and the block
-    raises RuntimeError. The patch is process-wide, so one block runs at a time.
+    A lane outside every watched tensor is counted in ``ops.outside`` and not run (a stray
+    store corrupts nothing; a stray load reads its ``other``), unless it is an atomic
+    compare-and-swap. Only under Triton's interpreter (the CPU); on a GPU nothing can be seen,
+    and the block raises RuntimeError. The patch is process-wide, so one block runs at a time.
     """
     if not interpreting():
         raise RuntimeError("watch_memory needs Triton's interpreter (a CPU run of moekit)")
@@ -122,7 +128,8 @@ def watch_memory(**tensors: torch.Tensor | None):
     builder = interpreter.InterpreterBuilder
     state = threading.local()
 
-    def record(self, kind, ptrs, mask) -> None:
+    def record(self, kind, ptrs, mask):
+        """Record one operation's live lanes; returns its mask without the stray lanes."""
         if getattr(state, "atomic", 0) and kind == WRITE:
             kind = ATOMIC  # an atomic store reaches the plain store underneath
         p = _program(self)
@@ -131,13 +138,21 @@ def watch_memory(**tensors: torch.Tensor | None):
         live = np.ones(addr.shape, bool)
         if mask is not None:
             live = np.broadcast_to(np.asarray(mask.data, bool), np.shape(ptrs.data)).ravel()
-        addr, inside = addr[live], np.zeros(int(live.sum()), bool)
+        inside = np.zeros(addr.shape, bool)
         for name, (lo, hi, size) in watched.items():
-            hit = (addr >= lo) & (addr < hi)
+            hit = live & (addr >= lo) & (addr < hi)
             if hit.any():
                 ops.lanes[(name, kind)][p].append(((addr[hit] - lo) // size).astype(np.int64))
             inside |= hit
-        ops.outside[kind] += int((~inside).sum())
+        stray = int(live.sum() - inside.sum())
+        ops.outside[kind] += stray
+        if mask is None or not stray:
+            return mask
+        return interpreter.TensorHandle(inside.reshape(np.shape(ptrs.data)), mask.dtype)  # stray lanes: not run
+
+    def launch(self, *args, **kwargs):
+        ops.launches.append((self.fn.__name__, self.grid))
+        return launch_original(self, *args, **kwargs)
 
     def counting(fn):
         def wrapped(self, *args, **kwargs):
@@ -163,7 +178,9 @@ def watch_memory(**tensors: torch.Tensor | None):
 
     def memory(name, kind, ptr_at, mask_at):
         def wrapped(self, *args):
-            record(self, kind, args[ptr_at], None if mask_at is None else args[mask_at])
+            mask = record(self, kind, args[ptr_at], None if mask_at is None else args[mask_at])
+            if mask_at is not None:
+                args = (*args[:mask_at], mask, *args[mask_at + 1 :])
             return originals[name](self, *args)
 
         return wrapped
@@ -180,33 +197,45 @@ def watch_memory(**tensors: torch.Tensor | None):
         patches[name] = counting(getattr(builder, name))
     with _LOCK:
         originals = {name: getattr(builder, name) for name in patches}
+        launch_original, interpreter.GridExecutor.__call__ = interpreter.GridExecutor.__call__, launch
         for name, fn in patches.items():
             setattr(builder, name, fn)
         try:
             yield ops
         finally:
+            interpreter.GridExecutor.__call__ = launch_original
             for name, fn in originals.items():
                 setattr(builder, name, fn)
 
 
-@dataclass
-class LoadCount:
-    """Elements loaded from each watched tensor (by the name it was watched under)."""
+def is_triton_kernel(obj) -> bool:
+    """True for a ``@triton.jit`` function: an interpreted one under the interpreter, else a
+    :class:`triton.runtime.jit.JITFunction` (an object whose ``kernel[grid]`` runs host code is not)."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
 
-    loaded: dict[str, int] = field(default_factory=dict)
+    return isinstance(obj, InterpretedFunction if interpreting() else JITFunction)
 
-    def __getitem__(self, name: str) -> int:
-        return self.loaded[name]
+
+def _snapshot(value):
+    if isinstance(value, torch.Tensor):  # bytes, so that fp8 and NaN compare too
+        return value.dtype, tuple(value.shape), value.detach().flatten().view(torch.uint8).cpu().numpy().tobytes()
+    return copy.deepcopy(value)
 
 
 @contextlib.contextmanager
-def count_loads(**tensors: torch.Tensor | None):
-    """Count the elements that interpreted Triton kernels load (plain loads only) from each of
-    ``tensors`` inside the block; see :func:`watch_memory` for every other operation."""
-    result = LoadCount({n: 0 for n in tensors})
-    with watch_memory(**tensors) as ops:
-        yield result
-        result.loaded.update({n: int(ops._indices(n, (READ,)).size) for n in tensors})
+def watch_inputs(**inputs):
+    """Yields a list that, after the block, names each of ``inputs`` (tensors, lists) whose
+    values, shape or dtype the block changed::
+
+        with watch_inputs(topk_ids=ids) as changed:
+            fn(ids)
+        assert not changed, f"fn wrote {changed}"
+    """
+    before = {name: _snapshot(v) for name, v in inputs.items()}
+    changed: list[str] = []
+    yield changed
+    changed += [name for name, v in inputs.items() if _snapshot(v) != before[name]]
 
 
 def shares_memory(view: torch.Tensor, base: torch.Tensor) -> bool:
@@ -235,11 +264,11 @@ __all__ = [
     "ATOMIC",
     "READ",
     "WRITE",
-    "LoadCount",
     "MemoryOps",
     "Race",
-    "count_loads",
+    "is_triton_kernel",
     "is_view_of",
     "shares_memory",
+    "watch_inputs",
     "watch_memory",
 ]

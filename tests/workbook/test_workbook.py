@@ -1,5 +1,6 @@
 """The workbook's checks in both directions: the solutions pass; the notebook's skeletons and
-known-wrong solutions (at least two per exercise) fail, each with a one-line reason."""
+known-wrong solutions (at least two per exercise) fail, each with a one-line reason. Every run
+draws fresh cases (a failure names its seed: ``workbook.grade(..., seed=...)`` replays it)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from moekit import workbook
 from moekit.device import interpreting
 from moekit.errors import ExerciseFailed, InvalidInputError
+from moekit.workbook.cases import fresh_seed
 
 _path = Path(__file__).with_name("wrong_solutions.py")
 _spec = importlib.util.spec_from_file_location("workbook_wrong_solutions", _path)
@@ -53,14 +55,21 @@ def test_the_notebooks_skeleton_fails(key, tmp_path):
 CASES = [(key, wrong[0], wrong[1], wrong[2:] == ("interpreter",)) for key, wrongs in WRONG.items() for wrong in wrongs]
 
 
+def _name(obj) -> str:
+    return obj.fn.__name__ if hasattr(obj, "fn") else getattr(obj, "__name__", type(obj).__name__)
+
+
 @pytest.mark.parametrize("key, fns, why, needs_interpreter", CASES,
-                         ids=[f"{k}-{'-'.join(x.__name__ for x in f)}" for k, f, _, _ in CASES])  # fmt: skip
+                         ids=[f"{k}-{'-'.join(_name(x) for x in f)}" for k, f, _, _ in CASES])  # fmt: skip
 def test_a_known_wrong_solution_fails_for_its_reason(key, fns, why, needs_interpreter):
     if needs_interpreter and not interpreting():
         pytest.skip("it gives right answers; how it ran is watched under the interpreter only")
+    seed = fresh_seed()
     with pytest.raises(ExerciseFailed, match=why) as caught:
-        workbook.grade(key, *fns)
+        cases = workbook.grade(key, *fns, seed=seed)
+        pytest.fail(f"passed {cases} cases [seed={seed}]")
     assert "\n" not in str(caught.value), "a failed check says why in one line"
+    assert str(caught.value).endswith(f"[seed={seed}]"), "a failed check names the seed that replays it"
 
 
 def test_every_exercise_has_two_wrong_solutions():
@@ -77,11 +86,24 @@ def test_check_prints_one_line_and_strict_raises(capsys):
         workbook.check("recount", *wrong, strict=True)
 
 
+def test_a_printed_seed_replays_the_failure(capsys):
+    wrong = WRONG["recount"][1][0]
+    assert workbook.check("recount", *wrong) is False
+    line = capsys.readouterr().out.strip()
+    seed = int(line.rsplit("[seed=", 1)[1].rstrip("]"))
+    assert workbook.check("recount", *wrong, seed=seed) is False
+    assert capsys.readouterr().out.strip() == line
+    assert workbook.check("recount", *workbook.solution("recount"), seed=seed)
+    assert capsys.readouterr().out.strip().endswith(f"cases [seed={seed}]")
+
+
 def test_bad_arguments_are_named():
     with pytest.raises(InvalidInputError, match="no exercise 'nope'"):
         workbook.grade("nope", len)
     with pytest.raises(InvalidInputError, match="checks 2 object"):
         workbook.grade("chunk_plan", len)
+    with pytest.raises(InvalidInputError, match="seed must be a non-negative int"):
+        workbook.grade("recount", len, seed=-1)
 
 
 def test_show_solution_prints_the_source(capsys):
