@@ -30,17 +30,28 @@ SMALL: dict[str, dict] = {}
 # switch, one with every chunk under it. Sizes stay small (K, N, E) because the interpreter is slow:
 # 02 at M=530 took 190 s on a loaded 2-core machine, so its large-C set keeps M at 300.
 OTHER_PARAMETERS = {
-    "02_workspace_shape_crash": [dict(M=300, C=600), dict(M=127, C=128), dict(M=257, C=64)],
-    "05_stale_token_counts": [dict(M=530, C=520, E=2), dict(M=127, C=128), dict(M=257, C=64)],
+    "02_workspace_shape_crash": [dict(M=300, C=600), dict(M=127, C=128), dict(M=257, C=64), dict(M=1, C=1),
+                                 dict(E=1, topk=1)],
+    # 03: one token a chunk (the hot expert is read only by the chunks of its tokens; long rows fold),
+    # one expert (it is the hot one), one token, one chunk
+    "03_per_chunk_expert_assignment": [dict(M=64, C=1), dict(E=1, topk=1), dict(M=1), dict(C=512)],
+    # 05: one expert (stale counts move no row to another group: the answer is right), one token
+    "05_stale_token_counts": [dict(M=530, C=520, E=2), dict(M=127, C=128), dict(M=257, C=64),
+                              dict(M=64, C=16, E=1, topk=1), dict(M=1, C=1)],
     # 09: M and C above 512; M=1 (the row plan declares more workspace than one chunk); a uniform router
     "09_row_chunks": [dict(M=530, C=520, R=1152, E=4, K=64, N=128), dict(M=1, C=1, R=128, E=4, K=64, N=128),
-                      dict(M=300, C=32, R=256, E=8, K=64, N=128, skew=0.0)],
+                      dict(M=300, C=32, R=256, E=8, K=64, N=128, skew=0.0), dict(M=32, C=1, E=1, topk=1)],
     # 11: C and R above 512 (one token chunk; the counted reservation overflows); one token; topk=3 with
-    # token chunks of 9, where the profile run's routing already needs the most (nothing overflows)
-    "11_life_of_chunking": [dict(M=40, C=600, R=640), dict(M=1, C=1, R=128, E=4), dict(M=12, C=9, E=4, topk=3, seed=1)],
+    # token chunks of 9, where the profile run's routing already needs the most (nothing overflows); one
+    # expert. (M = 0 is section 1's subject: it builds that rank itself, whatever M is.)
+    "11_life_of_chunking": [dict(M=40, C=600, R=640), dict(M=1, C=1, R=128, E=4), dict(M=12, C=9, E=4, topk=3, seed=1),
+                            dict(E=1, topk=1)],
     # The workbook with the kit's solutions in place of the skeletons: every check must pass.
     "10_workbook": [dict(use_solutions=True)],
 }
+# Parameters a notebook does not take: its first cells say so by name, before anything runs.
+REFUSED_PARAMETERS = {"02_workspace_shape_crash": dict(M=0), "05_stale_token_counts": dict(M=0, C=1),
+                      "03_per_chunk_expert_assignment": dict(topk=3, E=2), "11_life_of_chunking": dict(M=0)}
 
 pytestmark = pytest.mark.notebooks
 
@@ -82,3 +93,13 @@ def test_notebooks_hold_at_other_parameters(stem, params, kernel_name):
     pm.execute_notebook(str(path), str(ARTIFACTS / f"{stem}-{'-'.join(map(str, params.values()))}.ipynb"),
                         parameters=params, kernel_name=kernel_name, cwd=str(path.parent), progress_bar=False,
                         execution_timeout=BUDGET_S)  # fmt: skip
+
+
+@pytest.mark.parametrize("stem", list(REFUSED_PARAMETERS))
+def test_parameters_outside_a_notebooks_domain_are_named(stem, kernel_name):
+    path, params = ROOT / "notebooks" / f"{stem}.ipynb", REFUSED_PARAMETERS[stem]
+    with pytest.raises(pm.PapermillExecutionError, match=r"M >= 1 and 1 <= topk <= E, got") as failed:
+        pm.execute_notebook(str(path), str(ARTIFACTS / f"{stem}-refused.ipynb"), parameters=params,
+                            kernel_name=kernel_name, cwd=str(path.parent), progress_bar=False,
+                            execution_timeout=BUDGET_S)  # fmt: skip
+    assert failed.value.exec_count <= 3, "refused in the cell after the imports, before any demonstration"

@@ -100,7 +100,7 @@ class Experts(ABC):
         if not isinstance(a2_scale, torch.Tensor) or not a2_scale.is_floating_point():
             raise QuantizationError(f"a2_scale must be a float tensor, got {type(a2_scale).__name__}")
         shape = tuple(a2_scale.shape)
-        per_token = problem.M > 1 and shape in ((problem.M,), (problem.M, 1))
+        per_token = shape in ((problem.M,), (problem.M, 1))  # M = 0: no token, no scale
         if a2_scale.numel() != 1 and not per_token:
             raise QuantizationError(
                 f"a2_scale must hold 1 scale (per tensor) or one per token, [M={problem.M}] or [M, 1], got {shape}"

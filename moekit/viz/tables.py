@@ -10,8 +10,20 @@ import torch
 from moekit.viz._figure import axes_or_new
 
 
+FOLD_ITEMS = 12  # a list or tuple cell longer than this shows its ends and its length
+
+
+def fold(value) -> str:
+    """A cell's text: long lists and tuples folded to their first and last items (C=1 over
+    hundreds of tokens gave one row of thousands of characters)."""
+    if isinstance(value, list | tuple) and len(value) > FOLD_ITEMS:
+        head, tail = ", ".join(map(str, value[:8])), ", ".join(map(str, value[-3:]))
+        return f"[{head}, ..., {tail}] ({len(value)} items)"
+    return str(value)
+
+
 class Table:
-    """Rows of dicts that print as text and render as HTML in Jupyter."""
+    """Rows of dicts that print as text and render as HTML in Jupyter (long lists folded: :func:`fold`)."""
 
     def __init__(self, rows: Sequence[Mapping], *, title: str | None = None):
         self.rows = [dict(r) for r in rows]
@@ -19,7 +31,7 @@ class Table:
         self.columns = list(self.rows[0]) if self.rows else []
 
     def _cells(self) -> list[list[str]]:
-        return [[str(r.get(c, "")) for c in self.columns] for r in self.rows]
+        return [[fold(r.get(c, "")) for c in self.columns] for r in self.rows]
 
     def __str__(self) -> str:
         cells = self._cells()

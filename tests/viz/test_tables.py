@@ -60,3 +60,13 @@ def test_plot_table_draws_every_cell():
     cells = ax.tables[0].get_celld()
     assert len(cells) == 4 * 2 and ax.get_title() == "chunks"
     assert cells[(0, 1)].get_text().get_text() == "M" and cells[(3, 1)].get_text().get_text() == str(rows[2]["M"])
+
+
+def test_long_lists_fold_to_their_ends_and_length():
+    from moekit.viz.tables import FOLD_ITEMS, fold
+
+    assert fold(list(range(FOLD_ITEMS))) == str(list(range(FOLD_ITEMS)))
+    long = list(range(1000))
+    assert fold(long) == "[0, 1, 2, 3, 4, 5, 6, 7, ..., 997, 998, 999] (1000 items)"
+    row = str(viz.table([{"chunk": 0, "experts touched per chunk": long}]))
+    assert len(row.splitlines()[1]) < 80, row
