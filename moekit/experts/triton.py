@@ -85,76 +85,59 @@ class TritonExperts(Experts):
 
     def apply(self, call: ExpertsCall) -> str:
         """Compute one chunk of tokens into ``call.output``; returns ``"triton"``."""
-        p, w = call.problem, call.weights
         ws13 = carve(call.workspace13, call.shapes.workspace13)  # [M, topk, N]
         ws2 = carve(call.workspace2, call.shapes.workspace2)  # [M * topk, N/2]
-        if p.M == 0:
+        if call.problem.M == 0:
             return "triton"
-        tiles1, tiles2 = self.tile_configs(p, call.hidden.dtype)
+        tiles1, tiles2 = self.tile_configs(call.problem, call.hidden.dtype)
         blocks1 = self._align(call, tiles1.BLOCK_M)
         blocks2 = blocks1 if tiles2.BLOCK_M == tiles1.BLOCK_M else self._align(call, tiles2.BLOCK_M)
-        # GEMM1: each (token, slot) pair's row of hidden times its expert's w1.
-        fused_moe_gemm(
-            call.hidden,
-            w.w1,
-            ws13,
-            blocks1,
-            pairs_per_row=p.topk,
-            tiles=tiles1,
-            a_scale=call.hidden_scale,
-            w_scale=w.w1_scale,
-            check=False,
-        )
-        # silu(gate) * up, then GEMM2: each pair's activation times its expert's w2.
-        act, act_scale = self.activation(call, carve(ws13, (p.M * p.topk, p.N)), ws2)
-        fused_moe_gemm(
-            act,
-            w.w2,
-            call.output,
-            blocks2,
-            pairs_per_row=1,
-            tiles=tiles2,
-            a_scale=act_scale,
-            w_scale=w.w2_scale,
-            check=False,
-        )
+        self.gemms(call, ws13, ws2, (tiles1, tiles2), (blocks1, blocks2), (None, None))
         return "triton"
 
     def apply_rows(self, call: ExpertsCall) -> str:
         """One chunk of the batch's sorted rows: GEMM1 gathers its tokens and writes the chunk's
         workspace by position, GEMM2 reads it by position and writes each pair's output row."""
-        p, w, chunk = call.problem, call.weights, call.chunk
+        chunk = call.chunk
         ws13 = carve(call.workspace13, call.shapes.workspace13)  # [rows, 1, N]
         ws2 = carve(call.workspace2, call.shapes.workspace2)  # [rows, N/2]
-        tiles1, tiles2 = self.tile_configs(p, call.hidden.dtype)
+        tiles = self.tile_configs(call.problem, call.hidden.dtype)
         gather = RowWindow(chunk.start, chunk.end, read="pair", write="position")
         scatter = RowWindow(chunk.start, chunk.end, read="position", write="pair")
+        self.gemms(call, ws13, ws2, tiles, (chunk.layout, chunk.layout), (gather, scatter))
+        return "triton"
+
+    def gemms(self, call: ExpertsCall, ws13, ws2, tiles: tuple, blocks: tuple, windows: tuple) -> None:
+        """GEMM1, silu_and_mul, GEMM2 over ``R`` rows (a chunk's (token, slot) pairs, or its sorted
+        rows); ``tiles``, ``blocks`` and ``windows`` hold GEMM1's, then GEMM2's."""
+        p, w = call.problem, call.weights
+        # GEMM1: each row's token of hidden times its expert's w1.
         fused_moe_gemm(
             call.hidden,
             w.w1,
             ws13,
-            chunk.layout,
+            blocks[0],
             pairs_per_row=p.topk,
-            tiles=tiles1,
+            tiles=tiles[0],
             a_scale=call.hidden_scale,
             w_scale=w.w1_scale,
-            window=gather,
+            window=windows[0],
             check=False,
         )
-        act, act_scale = self.activation(call, carve(ws13, (chunk.size, p.N)), ws2)
+        # silu(gate) * up, then GEMM2: each row's activation times its expert's w2.
+        act, act_scale = self.activation(call, carve(ws13, (ws2.shape[0], p.N)), ws2)
         fused_moe_gemm(
             act,
             w.w2,
             call.output,
-            chunk.layout,
+            blocks[1],
             pairs_per_row=1,
-            tiles=tiles2,
+            tiles=tiles[1],
             a_scale=act_scale,
             w_scale=w.w2_scale,
-            window=scatter,
+            window=windows[1],
             check=False,
         )
-        return "triton"
 
     def activation(self, call: ExpertsCall, x: torch.Tensor, ws2: torch.Tensor):
         """``silu(x[:, :H]) * x[:, H:]`` into workspace2: ``(activation, None)``, or with fp8 the

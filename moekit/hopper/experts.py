@@ -42,7 +42,6 @@ from moekit.hopper.launch import launch_stream, run_lean
 from moekit.hopper.pair_blocks import PairBlocks, launch_pair_blocks
 from moekit.kernels.align import AlignedBlocks
 from moekit.kernels.count import count_launch
-from moekit.kernels.fused_moe import RowWindow
 from moekit.quant import FP8, FP8_GROUP
 from moekit.types import ExpertPlacement, ExpertsCall, ExpertTokensMetadata, ProblemSize, QuantScheme, WorkspaceShapes
 from moekit.validate import check_flag
@@ -126,35 +125,23 @@ class HopperTritonExperts(TritonExperts):
         blocks1 = self._layout(call, cfg1.BLOCK_M, pairs=pairs, stream=stream)
         same = cfg2.BLOCK_M == cfg1.BLOCK_M
         blocks2 = blocks1 if same else self._layout(call, cfg2.BLOCK_M, pairs=pairs, stream=stream)
-        self._gemms(call, ws13, ws2, (cfg1, cfg2), (blocks1, blocks2), (None, None), stream)
+        self.gemms(call, ws13, ws2, (cfg1, cfg2), (blocks1, blocks2), (None, None))
         return "triton"
 
     def apply_rows(self, call: ExpertsCall) -> str:
-        """One chunk of the batch's sorted rows: GEMM1 gathers its tokens and writes the chunk's
-        workspace by position, GEMM2 reads it by position and writes each pair's output row."""
+        """The book's chunk of sorted rows (its steps run :meth:`gemms`, the wing's)."""
         if call.chunk.size <= pdl.MAX_ROWS:
-            return self._apply_rows(call)
+            return super().apply_rows(call)
         with pdl.disabled():
-            return self._apply_rows(call)
+            return super().apply_rows(call)
 
-    def _apply_rows(self, call: ExpertsCall) -> str:
-        chunk = call.chunk
-        ws13 = carve(call.workspace13, call.shapes.workspace13)
-        ws2 = carve(call.workspace2, call.shapes.workspace2)
-        configs = self.tile_configs(call.problem, call.hidden.dtype)
-        gather = RowWindow(chunk.start, chunk.end, read="pair", write="position")
-        scatter = RowWindow(chunk.start, chunk.end, read="position", write="pair")
-        stream = launch_stream(call.hidden.device)
-        self._gemms(call, ws13, ws2, configs, (chunk.layout, chunk.layout), (gather, scatter), stream)
-        return "triton"
-
-    def _gemms(self, call: ExpertsCall, ws13, ws2, configs: tuple, blocks: tuple, windows: tuple, stream) -> None:
-        """GEMM1 (with silu_and_mul, and the fp8 requantization, in its epilogue when fused), the
-        book's activation step otherwise, then GEMM2; ``R`` rows of (token, slot) pairs or positions.
-        ``configs``, ``blocks`` and ``windows`` hold GEMM1's, then GEMM2's."""
+    def gemms(self, call: ExpertsCall, ws13, ws2, tiles: tuple, blocks: tuple, windows: tuple) -> None:
+        """The book's GEMM1 -> activation -> GEMM2, launched lean on the current stream; with
+        ``fuse_activation`` silu_and_mul (and the fp8 requantization) run in GEMM1's epilogue."""
         p, w = call.problem, call.weights
         R, H = call.shapes.workspace2[0], p.N // 2
-        cfg1, cfg2 = configs
+        cfg1, cfg2 = tiles
+        stream = launch_stream(call.hidden.device)
         out1, gated = ws13, None
         if self.fuse_activation and call.hidden.dtype == FP8:
             # fp8 [R, H] values, then fp32 [R, H/128] scales, in workspace13's bf16 bytes

@@ -16,8 +16,10 @@ and its output is cloned (so a result stays valid after the next call). Everythi
 baked into the graph by address: the weights (and scales, map, a2_scale) must stay where they
 are; changing their values in place is fine, a new tensor is a new signature. The first call
 with a signature is checked in full by ``ModularKernel``; a later call with the same signature
-skips those checks, since every shape, dtype and stride was already accepted (ids are not
-range-checked on the GPU in either path).
+skips the checks of shapes, dtypes and strides (already accepted), but reads the values of an
+``expert_map`` and an ``a2_scale`` again (a small read-back each): the caller may have written
+them since, and a replay runs no check of its own (ids are not range-checked on the GPU in
+either path).
 
 Use it where the host is the limit (decode-sized M). Once the GPU is the limit it only adds the
 input and output copies (at M=16384 one H200 run even measured it slower than the plain call).
@@ -42,6 +44,7 @@ import torch
 from moekit.device import interpreting
 from moekit.errors import InvalidInputError
 from moekit.modular_kernel import ModularKernel
+from moekit.validate import check_map_values, check_scale_values
 from moekit.workspace import WorkspacePool
 
 _OPTIONS = ("expert_map", "global_num_experts", "w1_scale", "w2_scale", "a2_scale")
@@ -126,6 +129,10 @@ class GraphedKernel:
             else:
                 self._graphs.move_to_end(key)
                 self.last_mode = "replayed"
+            if options.get("expert_map") is not None:  # values the graph reads by address: read them again
+                check_map_values(options["expert_map"], w1.shape[0])
+            if options.get("a2_scale") is not None:
+                check_scale_values(options["a2_scale"], "a2_scale")
             for static, given in zip(entry.inputs, (hidden, topk_weights, topk_ids), strict=True):
                 static.copy_(given)
             entry.graph.replay()

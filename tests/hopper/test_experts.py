@@ -119,3 +119,20 @@ def test_the_wing_relaunches_the_books_count_and_activation(device, monkeypatch)
     assert kinds.count("_count_histogram_kernel") == 2 and kinds.count("_silu_and_mul_kernel") == 2, kinds
     assert plain == [] and all(r.counts is not None for r in kernel.last_trace.chunks)
     assert_close(out, moekit.reference.moe_reference(x, w1, w2, weights, ids), dtype=torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or moekit.device.interpreting(), reason="needs a CUDA GPU")
+def test_inference_tensors_and_recycled_addresses_launch_lean_and_right():
+    # Under the suite's verifying() (tests/conftest.py) each lean launch is checked against Triton's
+    # binder: inference tensors (no version counter) and new tensors at freed addresses, in turn.
+    from moekit.testing import make_problem
+
+    kernel = moekit.ModularKernel(NoEPPrepareFinalize(), HopperTritonExperts(), chunk_size=8)
+    for step in range(6):
+        with torch.inference_mode(step % 2 == 0):
+            dtype = (torch.bfloat16, torch.float16, torch.float32)[step % 3]
+            p = make_problem(5 + 7 * step, E=8, topk=2, K=128, N=256, dtype=dtype, seed=step, device="cuda")
+            p = p.shard(step % 2, 2)
+            p.check(kernel(*p.inputs(), **p.options()))
+        del p  # the next step's tensors may take these addresses

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import moekit
-from moekit.errors import InvalidInputError
+from moekit.errors import InvalidIdsError, InvalidInputError
 from moekit.experts import TritonExperts
 from moekit.hopper.graphed import GraphedKernel
 from moekit.modular_kernel import ModularKernel
@@ -119,3 +119,18 @@ def test_a_capture_that_fails_falls_back_and_is_not_retried(monkeypatch):
     assert torch.equal(out, real(_kernel(), *p.inputs()))
     graphed(*p.inputs())
     assert graphed.last_mode.startswith("eager: capture failed before")
+
+
+@pytest.mark.gpu
+@on_gpu
+def test_a_replay_reads_the_map_and_scale_values_again():
+    # The graph reads the map by address; a value written since the capture is checked before the replay.
+    p = make_problem(8, E=16, topk=4, K=256, N=512, device="cuda").shard(0, 2)
+    plain, graphed = _kernel(), GraphedKernel(_kernel())
+    graphed(*p.inputs(), **p.options())
+    p.expert_map[p.expert_map >= 0] = p.expert_map[p.expert_map >= 0].flip(0)  # a valid rebalance, in place
+    assert torch.equal(graphed(*p.inputs(), **p.options()), plain(*p.inputs(), **p.options()))
+    assert graphed.last_mode == "replayed"
+    p.expert_map.data[0] = 8  # == E_local, without a version bump
+    with expect_raises(InvalidIdsError, r"got \[8\] at global ids \[0\]"):
+        graphed(*p.inputs(), **p.options())

@@ -68,12 +68,13 @@ def test_the_persistent_gemm_is_launched_without_it(monkeypatch, device):
 
 @pytest.mark.parametrize("rows, on", [(pdl.MAX_ROWS, True), (pdl.MAX_ROWS + 1, False)])
 def test_triton_experts_launch_large_chunks_without_it(monkeypatch, rows, on):
-    from moekit.hopper.experts import HopperTritonExperts as TritonExperts
+    from moekit.experts.triton import TritonExperts as Book
+    from moekit.hopper.experts import HopperTritonExperts
 
     seen = []
-    monkeypatch.setattr(TritonExperts, "_apply", lambda self, call: seen.append(not pdl._OFF.get()) or "triton")
-    monkeypatch.setattr(TritonExperts, "_apply_rows", lambda self, call: seen.append(not pdl._OFF.get()) or "t")
-    experts = TritonExperts()
+    monkeypatch.setattr(HopperTritonExperts, "_apply", lambda self, call: seen.append(not pdl._OFF.get()) or "triton")
+    monkeypatch.setattr(Book, "apply_rows", lambda self, call: seen.append(not pdl._OFF.get()) or "t")  # the book's
+    experts = HopperTritonExperts()
     experts.apply(SimpleNamespace(problem=SimpleNamespace(M=rows, topk=1)))
     experts.apply_rows(SimpleNamespace(chunk=SimpleNamespace(size=rows)))
     assert seen == [on, on] and not pdl._OFF.get()
