@@ -4,87 +4,44 @@
 before any ``@triton.jit`` kernel is defined.
 """
 
-from moekit import device  # noqa: I001  (must come first: sets TRITON_INTERPRET)
+import importlib  # noqa: I001  (moekit's own imports are in their order: moekit.device first)
+import pkgutil
+
+from moekit import device  # must come first: sets TRITON_INTERPRET
 from moekit import errors, quant, reference, routing
-from moekit.plan import Chunk, chunk_ranges
-from moekit.types import (
-    ActivationFormat,
-    ExpertPlacement,
-    ExpertTokensMetadata,
-    MoEWeights,
-    Prepared,
-    ProblemSize,
-    QuantScheme,
-    WorkspaceShapes,
-)
 
 __version__ = "0.1.0"
 
+# Every other public name, and the module that defines it, imported on first use: kernel modules
+# load only then, so `import moekit` stays quick (moekit.types is loaded by then anyway).
 _LAZY = {
-    "count_expert_num_tokens": ("moekit.kernels.count", "count_expert_num_tokens"),
-    "ModularKernel": ("moekit.modular_kernel", "ModularKernel"),
-    "fused_moe": ("moekit.api", "fused_moe"),
-    "Trace": ("moekit.trace", "Trace"),
-    "ChunkRecord": ("moekit.trace", "ChunkRecord"),
+    "ActivationFormat": "moekit.types",
+    "Chunk": "moekit.plan",
+    "ChunkRecord": "moekit.trace",
+    "ExpertPlacement": "moekit.types",
+    "ExpertTokensMetadata": "moekit.types",
+    "ModularKernel": "moekit.modular_kernel",
+    "MoEWeights": "moekit.types",
+    "Prepared": "moekit.types",
+    "ProblemSize": "moekit.types",
+    "QuantScheme": "moekit.types",
+    "Trace": "moekit.trace",
+    "WorkspaceShapes": "moekit.types",
+    "chunk_ranges": "moekit.plan",
+    "count_expert_num_tokens": "moekit.kernels.count",
+    "fused_moe": "moekit.api",
 }
-
-
-_SUBMODULES = {
-    "api",
-    "backends",
-    "cli",
-    "ep",
-    "experts",
-    "integrations",
-    "kernels",
-    "modular_kernel",
-    "plan",
-    "prepare_finalize",
-    "roofline",
-    "testing",
-    "trace",
-    "validate",
-    "viz",
-    "widgets",
-    "workspace",
-}
+_SUBMODULES = {module.name for module in pkgutil.iter_modules(__path__)}  # api, cli, experts, ...
 
 
 def __getattr__(name):
-    # Kernel modules load on first use, so `import moekit` stays quick.
     if name in _SUBMODULES:
-        import importlib
-
         return importlib.import_module(f"moekit.{name}")
-    if name in _LAZY:
-        import importlib
-
-        module, attr = _LAZY[name]
-        value = getattr(importlib.import_module(module), attr)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'moekit' has no attribute {name!r}")
+    if name not in _LAZY:
+        raise AttributeError(f"module 'moekit' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
 
 
-__all__ = [
-    "ActivationFormat",
-    "Chunk",
-    "ChunkRecord",
-    "ExpertPlacement",
-    "ExpertTokensMetadata",
-    "ModularKernel",
-    "MoEWeights",
-    "Prepared",
-    "ProblemSize",
-    "QuantScheme",
-    "Trace",
-    "WorkspaceShapes",
-    "chunk_ranges",
-    "count_expert_num_tokens",
-    "device",
-    "errors",
-    "fused_moe",
-    "quant",
-    "reference",
-    "routing",
-]
+__all__ = [*_LAZY, "device", "errors", "quant", "reference", "routing"]

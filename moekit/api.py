@@ -31,7 +31,7 @@ BY_NAME = {
 }
 
 
-def experts_class(name: str, *, among: Collection[str] | None = None, what: str = "experts") -> type[Experts]:
+def experts_class(name: str, *, among: Collection[str] = BY_NAME, what: str = "experts") -> type[Experts]:
     """The Standard-format experts class for a short name of :data:`BY_NAME` ("triton", "deep_gemm", ...).
 
     "triton" is the wing's ``HopperTritonExperts`` (:mod:`moekit.hopper`) on a Hopper GPU and the
@@ -46,12 +46,11 @@ def experts_class(name: str, *, among: Collection[str] | None = None, what: str 
         InvalidInputError: ``name`` is not one of ``among``, e.g. ``experts must be one of
             ['deep_gemm', 'grouped_mm', 'hopper', 'triton', 'triton_or_deep_gemm'], got 'cutlass'``.
     """
-    names = BY_NAME if among is None else among
-    unknown = sorted(set(names) - set(BY_NAME))
+    unknown = sorted(set(among) - set(BY_NAME))
     if unknown:
         raise InvalidInputError(f"among must hold names of moekit.api.BY_NAME {sorted(BY_NAME)}, got {unknown}")
-    if not isinstance(name, str) or name not in names:
-        raise InvalidInputError(f"{what} must be one of {sorted(names)}, got {name!r}")
+    if not isinstance(name, str) or name not in among:
+        raise InvalidInputError(f"{what} must be one of {sorted(among)}, got {name!r}")
     if name == "hopper" or (name == "triton" and is_hopper()):
         return importlib.import_module("moekit.hopper.experts").HopperTritonExperts
     return getattr(importlib.import_module("moekit.experts"), BY_NAME[name])
@@ -72,29 +71,23 @@ class KernelCache:
         """The kernel for these settings, made on first ask (on the shared pool of ``device``)."""
         key = (experts, chunk_size, quant, str(pool_device(device)))
         with self._lock:
-            kernel = self._kernels.get(key)
-            if kernel is None:
-                kernel = ModularKernel(
+            if key not in self._kernels:
+                self._kernels[key] = ModularKernel(
                     NoEPPrepareFinalize(),
                     experts_class(experts)(quant=quant),
                     chunk_size=chunk_size,
                     trace_counts=False,
                     pool=shared_pool(device),
                 )
-                self._kernels[key] = kernel
-                while len(self._kernels) > self.size:
-                    self._kernels.popitem(last=False)
             self._kernels.move_to_end(key)
-            return kernel
+            while len(self._kernels) > self.size:
+                self._kernels.popitem(last=False)
+            return self._kernels[key]
 
     def kernels(self) -> list[ModularKernel]:
         """The kernels kept now, least recently used first."""
         with self._lock:
             return list(self._kernels.values())
-
-    def clear(self) -> None:
-        with self._lock:
-            self._kernels.clear()
 
 
 KERNELS = KernelCache()  # the process's fused_moe kernels

@@ -47,6 +47,7 @@ from moekit.errors import ChunkSizeError, InvalidInputError, MoekitError
 from moekit.kernels.host_math import cdiv
 from moekit.plan import TokenPlanner, slice_scales
 from moekit.types import WorkspaceShapes
+from moekit.validate import check_flag, check_positive_int
 from moekit.workspace import WORKSPACE_ALIGN, WorkspacePool
 
 # VLLM_FUSED_MOE_CHUNK_SIZE's default at runtime from #7995 (34a0e96d4, 2024-08-30; 65536 since #6029,
@@ -58,9 +59,7 @@ UPSTREAM_CHUNK_SIZE = 32768
 
 def _upstream_chunk_size(chunk_size) -> int:
     # Upstream always had a chunk size (the env var); None, moekit's "one chunk", did not exist there.
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
-        raise ChunkSizeError(f"upstream's chunk size is a positive int (VLLM_FUSED_MOE_CHUNK_SIZE), got {chunk_size!r}")
-    return chunk_size
+    return check_positive_int(chunk_size, "upstream's chunk size (VLLM_FUSED_MOE_CHUNK_SIZE)", error=ChunkSizeError)
 
 
 class TokenPlannerBefore26528(TokenPlanner):
@@ -124,9 +123,7 @@ class TokenPlannerBefore29935(TokenPlanner):
 
     def __init__(self, chunk_size: int = UPSTREAM_CHUNK_SIZE, *, enable_chunking: bool = True):
         super().__init__(_upstream_chunk_size(chunk_size))
-        if not isinstance(enable_chunking, bool):
-            raise InvalidInputError(f"enable_chunking must be a bool, got {enable_chunking!r}")
-        self.switch = enable_chunking
+        self.switch = check_flag(enable_chunking, "enable_chunking")
 
     def enable_chunking(self, experts) -> bool:
         """What the switch asks for (upstream's ``enable_chunking()``); nothing in the plan calls it."""
@@ -154,9 +151,7 @@ class LockablePool(WorkspacePool):
     per-class shared buffers into that one manager, and had the GPU model runner lock it after
     capturing the CUDA graphs."""
 
-    def __init__(self, device: torch.device | str):
-        super().__init__(device)
-        self.workspace_locked = False
+    workspace_locked = False  # until lock_workspace()
 
     def lock_workspace(self) -> None:
         """From now on, refuse to grow (upstream locked after capturing its CUDA graphs)."""
@@ -236,16 +231,3 @@ def one_rank_group():
         yield dist.group.WORLD
     finally:
         dist.destroy_process_group()
-
-
-__all__ = [
-    "UPSTREAM_CHUNK_SIZE",
-    "LockablePool",
-    "ProfileRunReservation",
-    "TokenPlannerBefore26528",
-    "TokenPlannerBefore28728",
-    "TokenPlannerBefore29935",
-    "WorkspaceLockedError",
-    "one_rank_group",
-    "pool_bytes",
-]

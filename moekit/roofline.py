@@ -48,7 +48,8 @@ class LayerShape:
 
     def expert_bytes(self, quant: QuantScheme) -> int:
         """Bytes of one expert's w1 and w2 (plus its 128x128 block scales for fp8)."""
-        _check_quant(quant)
+        if not isinstance(quant, QuantScheme):
+            raise InvalidInputError(f"quant must be a moekit.QuantScheme (NONE: 16-bit weights), got {quant!r}")
         fp8 = quant is QuantScheme.FP8_BLOCK
         return expert_bytes(self.N, self.K, FP8 if fp8 else torch.bfloat16, scaled=fp8)
 
@@ -64,11 +65,6 @@ def get_shape(name: str) -> LayerShape:
     if name not in SHAPES:
         raise InvalidInputError(f"shape must be one of {sorted(SHAPES)}, got {name!r}")
     return SHAPES[name]
-
-
-def _check_quant(quant) -> None:
-    if not isinstance(quant, QuantScheme):
-        raise InvalidInputError(f"quant must be a moekit.QuantScheme (NONE: 16-bit weights), got {quant!r}")
 
 
 def layer_flops(shape: LayerShape, M: int) -> int:
@@ -104,8 +100,7 @@ class Ceilings:
         positive = lambda x: isinstance(x, int | float) and not isinstance(x, bool) and x > 0
         if not positive(self.bandwidth):
             raise InvalidInputError(f"{self.name}: bandwidth must be > 0 bytes/s, got {self.bandwidth!r}")
-        bad = {q: f for q, f in self.flops.items() if not isinstance(q, QuantScheme) or not positive(f)}
-        if bad or not self.flops:
+        if not self.flops or not all(isinstance(q, QuantScheme) and positive(f) for q, f in self.flops.items()):
             raise InvalidInputError(f"{self.name}: flops must map QuantSchemes to flop/s > 0, got {dict(self.flops)!r}")
 
 

@@ -16,12 +16,14 @@ from __future__ import annotations
 import contextlib
 import re
 import statistics
-import time
+import timeit
 from dataclasses import dataclass, replace
 
 import torch
 
+from moekit.device import get_device
 from moekit.errors import InvalidInputError
+from moekit.plan import SlabChunk, TokenChunk
 from moekit.quant import (
     FP8,
     FP8_GROUP,
@@ -30,7 +32,10 @@ from moekit.quant import (
     quantize_fp8_block,
     quantize_fp8_per_token_group,
 )
+from moekit.reference import moe_reference
+from moekit.routing import contiguous_expert_map, skewed_router
 from moekit.types import ExpertPlacement, ExpertsCall, ExpertTokensMetadata, MoEWeights, ProblemSize, QuantScheme
+from moekit.workspace import WorkspacePool
 
 # (atol, rtol) against the fp32 reference; atol is relative to the largest |expected|.
 # fp8 is compared on dequantized inputs. e4m3 keeps 3 mantissa bits (2**-4 relative rounding),
@@ -156,17 +161,13 @@ class MoEProblem:
         """The fp32 oracle (:func:`moekit.reference.moe_reference`) on what the experts see:
         for fp8, the activations quantized as prepare quantizes them and the dequantized weights.
         ``rows`` restricts it to some tokens."""
-        from moekit.reference import moe_reference
-
         rows = rows or slice(None)
         hidden = self.hidden[rows]
         if self.quant is QuantScheme.FP8_BLOCK:
             hidden = dequantize_fp8_per_token_group(*quantize_fp8_per_token_group(hidden))
-        w1, w2 = self.float_weights()
         return moe_reference(
             hidden,
-            w1,
-            w2,
+            *self.float_weights(),
             self.topk_weights[rows],
             self.topk_ids[rows],
             expert_map=self.expert_map,
@@ -180,8 +181,6 @@ class MoEProblem:
     def shard(self, rank: int, world_size: int) -> MoEProblem:
         """Rank ``rank``'s share under expert parallelism: its contiguous block of experts (see
         :func:`moekit.routing.contiguous_expert_map`), the map, and E_global; same tokens."""
-        from moekit.routing import contiguous_expert_map
-
         E = self.w1.shape[0]
         emap = contiguous_expert_map(E, world_size, rank, device=self.w1.device)
         mine = (emap >= 0).nonzero().flatten()
@@ -218,9 +217,6 @@ def make_problem(
         seed: everything is drawn from generators seeded with it, on the CPU, then moved.
         device: default :func:`moekit.device.get_device`.
     """
-    from moekit.device import get_device
-    from moekit.routing import skewed_router
-
     device = get_device() if device is None else torch.device(device)
     g = torch.Generator(device).manual_seed(seed)
     hidden = torch.randn(M, K, generator=g, device=device).to(dtype)
@@ -256,21 +252,15 @@ def experts_call(
     hidden_scale: torch.Tensor | None = None,
     placement: ExpertPlacement | None = None,
     tokens_meta: ExpertTokensMetadata | None = None,
-    a2_scale: torch.Tensor | None = None,
     fill: float | None = None,
     pool=None,
-    counts: torch.Tensor | None = None,
 ) -> ExpertsCall:
     """One chunk's call as ``ModularKernel`` builds it: sizes from the tensors, the shapes
     ``experts`` declares for them, buffers from ``pool`` (a fresh one by default), an output
-    of the declared shape and the chunk's counts (``counts``, else counted here when
-    ``experts.uses_tokens_meta``). ``fill`` pre-fills workspaces and output (NaN: a canary that
-    shows any element the experts forgot to write). ``hidden`` is what prepare hands over (fp8 for
-    fp8 experts, with ``hidden_scale``)."""
-    from moekit.kernels.count import launch_count
-    from moekit.plan import SlabChunk, TokenChunk
-    from moekit.workspace import WorkspacePool
-
+    of the declared shape and the chunk's counts (when ``experts.uses_tokens_meta``), no
+    ``a2_scale``. ``fill`` pre-fills workspaces and output (NaN: a canary that shows any element
+    the experts forgot to write). ``hidden`` is what prepare hands over (fp8 for fp8 experts, with
+    ``hidden_scale``)."""
     E_local, N, K = weights.w1.shape
     placement = placement or ExpertPlacement(E_local, E_local)
     rows = hidden.shape[1] if hidden.dim() == 3 else hidden.shape[0]  # batched: the slab height
@@ -281,8 +271,7 @@ def experts_call(
     if fill is not None:
         for t in (buffers.workspace13, buffers.workspace2, output):
             t.fill_(fill)
-    if counts is None and experts.uses_tokens_meta and hidden.dim() == 2:
-        counts = launch_count(topk_ids, E_local, placement.expert_map)
+    counts = experts.count_tokens(topk_ids, placement) if experts.uses_tokens_meta and hidden.dim() == 2 else None
     chunk = (SlabChunk if hidden.dim() == 3 else TokenChunk)(0, 0, rows)
     return ExpertsCall(
         chunk,
@@ -298,16 +287,10 @@ def experts_call(
         placement,
         counts,
         tokens_meta,
-        a2_scale,
     )
 
 
 def wall_ms(fn, *, repeats: int = 3) -> float:
     """Median wall-clock milliseconds of ``fn()`` over ``repeats`` calls, after one warm-up call."""
     fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return statistics.median(timeit.repeat(fn, repeat=repeats, number=1)) * 1e3

@@ -81,31 +81,24 @@ class DeepGemmStatus:
 
 def detect_api(module: object) -> str | None:
     """``"v2"``, ``"1.0"`` or None: which known contiguous-GEMM API ``module`` exposes."""
-    for api, (gemm, _) in _APIS.items():
-        if callable(getattr(module, gemm, None)):
-            return api
-    return None
+    return next((api for api, (gemm, _) in _APIS.items() if callable(getattr(module, gemm, None))), None)
 
 
-def _missing_headers(package_dir: Path) -> str | None:
-    include = package_dir / "include"
-    missing = [d for d in _HEADER_DIRS if not (include / d).is_dir()]
-    if not missing and not any((include / "deep_gemm").rglob("*.cuh")):
-        missing = ["deep_gemm/*.cuh"]
-    if not missing:
-        return None
-    return (
-        f"deep_gemm at {package_dir} has no JIT headers ({', '.join(str(include / m) for m in missing)} "
-        "missing), so it cannot compile its kernels; the PyPI deep-gemm==1.0.0 wheel is such a build. "
-        "Install DeepGEMM from its source tree (with its cutlass submodule) instead"
-    )
+@dataclass
+class _Routing:
+    """Where deep_gemm calls go: a probed (or given) status and module, and the GEMM shapes ``(N, K)``
+    that failed to build there (-> why)."""
+
+    status: DeepGemmStatus
+    module: ModuleType | None
+    failures: dict[tuple[int, int], str] = field(default_factory=dict)
 
 
-def _no(reason: str) -> tuple[DeepGemmStatus, None]:
-    return DeepGemmStatus(False, reason), None
+def _no(reason: str) -> _Routing:
+    return _Routing(DeepGemmStatus(False, reason), None)
 
 
-def _probe() -> tuple[DeepGemmStatus, ModuleType | None]:
+def _probe() -> _Routing:
     try:
         spec = importlib.util.find_spec("deep_gemm")
     except (ImportError, ValueError) as e:
@@ -115,9 +108,17 @@ def _probe() -> tuple[DeepGemmStatus, ModuleType | None]:
     locations = list(spec.submodule_search_locations or [])
     if not locations:
         return _no(f"deep_gemm at {spec.origin} is not a package")
-    missing = _missing_headers(Path(locations[0]))
+    package_dir = Path(locations[0])
+    include = package_dir / "include"
+    missing = [d for d in _HEADER_DIRS if not (include / d).is_dir()]
+    if not missing and not any((include / "deep_gemm").rglob("*.cuh")):
+        missing = ["deep_gemm/*.cuh"]
     if missing:
-        return _no(missing)
+        return _no(
+            f"deep_gemm at {package_dir} has no JIT headers ({', '.join(str(include / m) for m in missing)} "
+            "missing), so it cannot compile its kernels; the PyPI deep-gemm==1.0.0 wheel is such a build. "
+            "Install DeepGEMM from its source tree (with its cutlass submodule) instead"
+        )
 
     from moekit import device
 
@@ -138,7 +139,7 @@ def _probe() -> tuple[DeepGemmStatus, ModuleType | None]:
     if missing_tool:
         return _no(missing_tool)
     version = getattr(module, "__version__", "unknown version")
-    return DeepGemmStatus(True, f"deep_gemm {version} ({api} API) on {gpu}", api), module
+    return _Routing(DeepGemmStatus(True, f"deep_gemm {version} ({api} API) on {gpu}", api), module)
 
 
 _COMPILER_ENV = {"1.0": "DG_NVCC_COMPILER", "v2": "DG_JIT_NVCC_COMPILER"}  # what each API reads
@@ -170,16 +171,6 @@ def jit_problem(api: str = "v2") -> str | None:
     return None
 
 
-@dataclass
-class _Routing:
-    """Where deep_gemm calls go: a probed (or given) status and module, and the GEMM shapes ``(N, K)``
-    that failed to build there (-> why)."""
-
-    status: DeepGemmStatus
-    module: ModuleType | None
-    failures: dict[tuple[int, int], str] = field(default_factory=dict)
-
-
 class DeepGemmBackend:
     """What this process knows about deep_gemm; every method is thread-safe.
 
@@ -203,10 +194,9 @@ class DeepGemmBackend:
                 return self._given[-1]
             if self._probed is None:
                 try:
-                    st, module = _probe()
+                    self._probed = _probe()
                 except Exception as e:  # status() must never raise
-                    st, module = _no(f"detection failed: {type(e).__name__}: {e}")
-                self._probed = _Routing(st, module)
+                    self._probed = _no(f"detection failed: {type(e).__name__}: {e}")
             return self._probed
 
     def status(self, *, refresh: bool = False) -> DeepGemmStatus:
@@ -285,10 +275,9 @@ class DeepGemmBackend:
 
 
 def _usable(routing: _Routing) -> tuple[ModuleType, str]:
-    st, module = routing.status, routing.module
-    if not st.usable or module is None or st.api is None:
-        raise BackendUnavailableError(f"deep_gemm is not usable here: {st.reason}")
-    return module, st.api
+    if not routing.status.usable:  # a usable status always comes with its module and API
+        raise BackendUnavailableError(f"deep_gemm is not usable here: {routing.status.reason}")
+    return routing.module, routing.status.api
 
 
 BACKEND = DeepGemmBackend()  # this process's deep_gemm
@@ -311,17 +300,3 @@ def m_alignment() -> int:
     """Rows per block of the contiguous layout (128 on Hopper). Raises if deep_gemm is unusable."""
     module, api = BACKEND.module()
     return int(getattr(module, _APIS[api][1])())
-
-
-__all__ = [
-    "BACKEND",
-    "DeepGemmBackend",
-    "DeepGemmStatus",
-    "build_failure",
-    "detect_api",
-    "grouped_gemm_contiguous",
-    "jit_problem",
-    "m_alignment",
-    "status",
-    "use",
-]
