@@ -20,15 +20,16 @@ notebooks and tests can hand it to :func:`moekit.distributed.launch`.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 import torch.distributed as dist
 
 import moekit
 from moekit.errors import InvalidInputError, MoekitError
-from moekit.quant import FP8
 from moekit.testing import MoEProblem, assert_close, make_problem
 from moekit.types import QuantScheme
 
@@ -79,21 +80,13 @@ class RankResult:
     all_counts: list[torch.Tensor] = field(default_factory=list)  # every rank's counts, on rank 0
 
 
+# The EPConfig fields that make_problem takes by the same names.
+_PROBLEM_FIELDS = ("E", "topk", "K", "N", "dtype", "quant", "skew", "empty_every", "seed")
+
+
 def global_problem(config: EPConfig) -> MoEProblem:
     """The whole problem (all ranks' tokens, all E experts) on the CPU, identical on every rank."""
-    return make_problem(
-        sum(config.Ms),
-        E=config.E,
-        topk=config.topk,
-        K=config.K,
-        N=config.N,
-        dtype=config.dtype,
-        quant=config.quant,
-        skew=config.skew,
-        empty_every=config.empty_every,
-        seed=config.seed,
-        device="cpu",
-    )
+    return make_problem(sum(config.Ms), **{name: getattr(config, name) for name in _PROBLEM_FIELDS}, device="cpu")
 
 
 def run_rank(rank: int, world_size: int, config: EPConfig, *, gather: bool = True) -> RankResult:
@@ -115,12 +108,13 @@ def run_rank(rank: int, world_size: int, config: EPConfig, *, gather: bool = Tru
         raise InvalidInputError(f"need one token count per rank (len(Ms) == world_size={world_size}); got {config}")
     device = moekit.device.get_device()
     p = global_problem(config)
-    start, end = sum(config.Ms[:rank]), sum(config.Ms[: rank + 1])
-    local = p.shard(rank, world_size)
-    cap = max(max(config.Ms), 1)
-    capacity = dict(mode="capacity", max_tokens_per_rank=cap) if config.dispatch == "capacity" else {}
-    mine = slice(start, end)
-    scales = {k: v.to(device) for k, v in (("w1_scale", local.w1_scale), ("w2_scale", local.w2_scale)) if v is not None}
+    mine = slice(sum(config.Ms[:rank]), sum(config.Ms[: rank + 1]))
+    local = replace(  # this rank's tokens and its block of experts
+        p.shard(rank, world_size), hidden=p.hidden[mine], topk_weights=p.topk_weights[mine], topk_ids=p.topk_ids[mine]
+    )
+    inputs = [t.to(device) for t in local.inputs()]
+    options = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in local.options().items()}
+    capacity = dict(mode="capacity", max_tokens_per_rank=max(*config.Ms, 1)) if config.dispatch == "capacity" else {}
     error, out, kernel = None, None, None
     try:  # a bad configuration fails alike on every rank, before any exchange
         kernel = ModularKernel(
@@ -130,16 +124,7 @@ def run_rank(rank: int, world_size: int, config: EPConfig, *, gather: bool = Tru
             chunk_by=config.chunk_by,
             metadata_policy=config.metadata_policy,
         )
-        out = kernel(
-            p.hidden[mine].to(device),
-            local.w1.to(device),
-            local.w2.to(device),
-            p.topk_weights[mine].to(device),
-            p.topk_ids[mine].to(device),
-            expert_map=local.expert_map.to(device),
-            global_num_experts=config.E,
-            **scales,
-        )
+        out = kernel(*inputs, **options)
     except MoekitError as e:
         error = f"{type(e).__name__}: {e}"
     trace = kernel.last_trace if kernel is not None else None
@@ -147,26 +132,22 @@ def run_rank(rank: int, world_size: int, config: EPConfig, *, gather: bool = Tru
     err, close = float("nan"), False
     if out is not None:
         err = float((out.float().cpu() - ref).abs().max()) if out.numel() else 0.0
-        try:
-            assert_close(out, ref, dtype=FP8 if config.quant is QuantScheme.FP8_BLOCK else out.dtype)
+        with contextlib.suppress(AssertionError):
+            assert_close(out, ref, dtype=p.dtype)  # fp8's tolerance for fp8 block quantization
             close = True
-        except AssertionError:
-            close = False
     # No trace when the door refused the call (a fresh kernel: nothing from an earlier call).
     counts = trace.counts_matrix() if trace is not None else torch.zeros((0, local.w1.shape[0]), dtype=torch.int64)
     backends = trace.backends if trace is not None else []
     handle = kernel.prepare_finalize.last_handle if kernel is not None else None  # None: failed before dispatch
     recv = list(handle.recv_splits) if handle is not None else []
     per_expert = handle.recv_counts.sum(0).tolist() if handle is not None else []
-    result = RankResult(rank, end - start, sum(recv), out, ref, err, close, counts, backends, per_expert)
-    result.error = error
-    result.received_from = recv
+    all_counts = [counts]
     if error is None and gather and world_size > 1:
         gathered = gather_traces(trace, timeout_s=config.timeout_s)
-        result.all_counts = gathered if rank == 0 else []
-    else:
-        result.all_counts = [counts]
-    return result
+        all_counts = gathered if rank == 0 else []
+    return RankResult(
+        rank, config.Ms[rank], sum(recv), out, ref, err, close, counts, backends, per_expert, recv, error, all_counts
+    )
 
 
 def run_cases(rank: int, world_size: int, configs: list[EPConfig]) -> list[RankResult]:
@@ -193,13 +174,11 @@ def _number(kind, *, low: float, even: bool = False):
     what = ("an even int" if even else "an int" if kind is int else "a number") + f" >= {low:g}"
 
     def parse(text: str):
-        try:
+        with contextlib.suppress(ValueError):  # not a number: the same usage error
             value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if not value >= low or (even and value % 2) or value in (float("inf"), float("-inf")):
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
-        return value
+            if value >= low and not (even and value % 2) and math.isfinite(value):  # NaN is not >= low
+                return value
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
 
     return parse
 
@@ -214,7 +193,7 @@ def _token_counts(text: str) -> tuple[int, ...]:
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m moekit.ep", description=__doc__.split("\n\n")[0])
-    positive = _number(int, low=1)
+    positive, seconds = _number(int, low=1), _number(float, low=0.001)
     ap.add_argument("--world-size", type=positive, default=None, help="ranks to spawn (omit under torchrun)")
     ap.add_argument("--backend", choices=("gloo", "nccl"), default=None)
     ap.add_argument("--M", type=_token_counts, default=(64,), help="tokens per rank: one int, or one per rank (64,0)")
@@ -227,9 +206,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--quant", default=None, choices=("none", "fp8_block"), help="default: fp8 unless triton")
     ap.add_argument("--metadata-policy", default="per_chunk", choices=("per_chunk", "whole_batch"))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument(
-        "--timeout", type=_number(float, low=0.001), default=300.0, help="seconds, for the run and each collective"
-    )
+    ap.add_argument("--timeout", dest="timeout_s", type=seconds, default=300.0, help="seconds (the run, each exchange)")
     return ap
 
 
@@ -240,19 +217,8 @@ def _config(ap: argparse.ArgumentParser, args, world_size: int) -> EPConfig:
     if args.topk > args.E:
         ap.error(f"--topk {args.topk} is more than --E {args.E} experts")
     quant = QuantScheme(args.quant or ("none" if args.experts == "triton" else "fp8_block"))
-    return EPConfig(
-        tuple(Ms),
-        E=args.E,
-        topk=args.topk,
-        K=args.K,
-        N=args.N,
-        chunk_size=args.chunk_size,
-        experts=args.experts,
-        quant=quant,
-        metadata_policy=args.metadata_policy,
-        seed=args.seed,
-        timeout_s=args.timeout,
-    )
+    named = {f.name for f in fields(EPConfig)} - {"Ms", "quant"}  # the options named as the fields
+    return EPConfig(tuple(Ms), quant=quant, **{k: v for k, v in vars(args).items() if k in named})
 
 
 def main(argv=None) -> int:
@@ -267,21 +233,16 @@ def main(argv=None) -> int:
         ap.error(str(e))
     try:
         if under_torchrun:
-            rank, world_size = init_from_env(backend=args.backend, timeout_s=args.timeout)
+            rank, world_size = init_from_env(backend=args.backend, timeout_s=args.timeout_s)
             result = run_rank(rank, world_size, _config(ap, args, world_size))
-            results = gather_objects(_summary(result), timeout_s=args.timeout)
+            results = gather_objects(_summary(result), timeout_s=args.timeout_s)
             dist.destroy_process_group()
             if rank != 0:
                 return 0 if all(r.close for r in results) else 1
         else:
             world_size = args.world_size or 1
-            results = launch(
-                run_rank,
-                world_size,
-                backend=args.backend,
-                args=(_config(ap, args, world_size),),
-                timeout_s=args.timeout,
-            )
+            config = _config(ap, args, world_size)
+            results = launch(run_rank, world_size, backend=args.backend, args=(config,), timeout_s=args.timeout_s)
     except MoekitError as e:  # a rank failed outside the forward (its traceback is in the message)
         print(f"python -m moekit.ep: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
@@ -290,20 +251,8 @@ def main(argv=None) -> int:
 
 
 def _summary(r: RankResult) -> RankResult:
-    return RankResult(
-        r.rank,
-        r.M,
-        r.received,
-        None,
-        r.reference[:0],
-        r.max_abs_err,
-        r.close,
-        r.counts,
-        r.backends,
-        r.tokens_meta,
-        r.received_from,
-        r.error,
-    )
+    """What rank 0 prints of ``r``: no tensors beyond the counts."""
+    return replace(r, output=None, reference=r.reference[:0], all_counts=[])
 
 
 if __name__ == "__main__":

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import pickle
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from moekit.distributed.process_group import check_timeout
+from moekit.errors import DistributedError
 
 
 def to_cpu(obj: Any) -> Any:
@@ -24,31 +28,48 @@ def to_cpu(obj: Any) -> Any:
     return obj
 
 
+def group_device(group=None) -> torch.device:
+    """Where this group's tensors live: the current GPU for NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def wait(work, *, timeout_s: float | None, what: str, group) -> None:
+    """Wait for an async collective, at most ``timeout_s`` seconds (None: the group's own timeout)."""
+    limit = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+    try:
+        work.wait(**limit)
+    except RuntimeError as e:
+        raise DistributedError(
+            f"{what} failed or timed out on rank {dist.get_rank(group)} (timeout_s={timeout_s}): {e}. Every rank "
+            "must call forward, including ranks with no tokens. After a timeout the group's collectives are out "
+            "of step (with NCCL the communicator is unusable): destroy the process group and start a new one."
+        ) from e
+
+
+def all_gather(t: torch.Tensor, *, what: str, group=None, timeout_s: float | None = None) -> list[torch.Tensor]:
+    """Every rank's ``t`` (same shape and dtype on all), in rank order; waits as :func:`wait` does."""
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    work = dist.all_gather(out, t.contiguous(), group=group, async_op=True)
+    wait(work, timeout_s=timeout_s, what=f"all_gather of {what}", group=group)
+    return out
+
+
 def gather_objects(obj: Any, *, group=None, timeout_s: float | None = None) -> list[Any]:
     """Every rank's ``obj`` (picklable), on every rank, in rank order: ``all_gather_object`` with a timeout.
 
     Two exchanges (the sizes, then the padded bytes), each waiting at most ``timeout_s`` seconds
     (None: the group's own timeout), then DistributedError. A collective: every rank must call it.
     """
-    from moekit.distributed.process_group import check_timeout
-    from moekit.prepare_finalize.agreement import wait
-
     check_timeout(timeout_s, none_means="the group's own timeout")  # on every rank, before any exchange
-    on_gpu = dist.get_backend(group) == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    world = dist.get_world_size(group)
+    device = group_device(group)
     data = torch.frombuffer(bytearray(pickle.dumps(to_cpu(obj))), dtype=torch.uint8).to(device)
-
-    def gather(t: torch.Tensor, what: str) -> list[torch.Tensor]:
-        out = [torch.empty_like(t) for _ in range(world)]
-        work = dist.all_gather(out, t, group=group, async_op=True)
-        wait(work, timeout_s=timeout_s, what=f"all_gather of {what}", group=group)
-        return out
-
-    sizes = [int(n) for n in gather(torch.tensor([data.numel()], dtype=torch.int64, device=device), "object sizes")]
-    padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
-    padded[: data.numel()] = data
-    return [pickle.loads(t[:n].cpu().numpy().tobytes()) for t, n in zip(gather(padded, "objects"), sizes, strict=True)]
+    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    sizes = [int(n) for n in all_gather(size, what="object sizes", group=group, timeout_s=timeout_s)]
+    padded = torch.nn.functional.pad(data, (0, max(sizes) - data.numel()))
+    gathered = all_gather(padded, what="objects", group=group, timeout_s=timeout_s)
+    return [pickle.loads(t[:n].cpu().numpy().tobytes()) for t, n in zip(gathered, sizes, strict=True)]
 
 
 def gather_traces(trace, *, group=None, timeout_s: float | None = None) -> list[torch.Tensor]:

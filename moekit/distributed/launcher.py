@@ -6,10 +6,10 @@
 from __future__ import annotations
 
 import datetime
-import importlib
 import importlib.util
 import os
 import pickle
+import pkgutil
 import queue as queue_mod
 import socket
 import sys
@@ -18,6 +18,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -55,18 +56,16 @@ class _FnRef:
         return cls(module, qualname, file)
 
     def resolve(self):
+        name = f"{self.module}:{self.qualname}"
         try:
-            obj = importlib.import_module(self.module)
+            return pkgutil.resolve_name(name)
         except ImportError:
             if self.file is None:
                 raise
-            spec = importlib.util.spec_from_file_location(self.module, self.file)
-            obj = importlib.util.module_from_spec(spec)
-            sys.modules[self.module] = obj
-            spec.loader.exec_module(obj)
-        for part in self.qualname.split("."):
-            obj = getattr(obj, part)
-        return obj
+        spec = importlib.util.spec_from_file_location(self.module, self.file)
+        sys.modules[self.module] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[self.module])
+        return pkgutil.resolve_name(name)
 
 
 def _child(rank, world_size, port, backend, ref: _FnRef, args, timeout_s, results) -> None:
@@ -74,8 +73,7 @@ def _child(rank, world_size, port, backend, ref: _FnRef, args, timeout_s, result
     # when this process exits before the parent reads.
     try:
         fn = ref.resolve()
-        timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
         join_group(backend, rank, world_size, timeout_s, store=store)
         value = to_cpu(fn(rank, world_size, *args))
         results.put((rank, True, pickle.dumps(value)))
@@ -119,15 +117,12 @@ def launch(
     ref = _FnRef.of(fn)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    store = _loopback_store(timeout_s)
-    env = dict(NCCL_SAFETY_ENV) if backend == "nccl" else {}
-    if backend == "gloo":
-        env["GLOO_SOCKET_IFNAME"] = _loopback_interface()  # else gloo binds what the hostname resolves to
+    store = _loopback_store(timeout_s)  # the ranks' rendezvous, alive until launch returns
+    # With gloo, GLOO_SOCKET_IFNAME: else gloo binds what the hostname resolves to.
+    env = dict(NCCL_SAFETY_ENV) if backend == "nccl" else {"GLOO_SOCKET_IFNAME": _loopback_interface()}
     if backend == "gloo" and torch.cuda.is_available():
         env["MOEKIT_DEVICE"] = "cpu"
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # spawned children copy the environment at start
-    try:
+    with mock.patch.dict(os.environ, env):  # spawned children copy the environment at start
         procs = [
             ctx.Process(
                 target=_child, daemon=True, args=(r, world_size, store.port, backend, ref, args, timeout_s, results)
@@ -136,9 +131,6 @@ def launch(
         ]
         for p in procs:
             _start(p)
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
     try:
         return _collect(procs, results, world_size, timeout_s)
     finally:
@@ -146,7 +138,6 @@ def launch(
             if p.is_alive():
                 p.kill()
             p.join(timeout=5)
-        del store
 
 
 def _start(process) -> None:
@@ -172,9 +163,7 @@ def _loopback_store(timeout_s: float) -> dist.TCPStore:
 
     Given a port alone, TCPStore listens on every interface; handed a socket already bound to
     the loopback address, it listens there, and owns (and finally closes) that socket."""
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(128)
+    listener = socket.create_server(("127.0.0.1", 0), backlog=128)
     port = listener.getsockname()[1]
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(
@@ -199,18 +188,17 @@ def _collect(procs, results, world_size: int, timeout_s: float) -> list[Any]:
             now = time.monotonic()
             reported = set(done) | {r for r, _ in failures}
             for r, p in enumerate(procs):
-                if r not in reported and p.exitcode is not None:  # exit code 0 too (os._exit(0) in fn)
-                    # a report put just before exiting may still be in flight: give it a second
-                    if now - dead_since.setdefault(r, now) > 1.0:
-                        failures.append((r, f"rank {r} exited with code {p.exitcode} without reporting a result"))
-                        deadline = min(deadline, now + _GRACE_S)
-            continue
-        if ok:
-            done[rank] = pickle.loads(payload)
+                # Exited without a report (with code 0 too: os._exit(0) in fn): a failure after a second,
+                # since a report put just before exiting may still be in flight.
+                if r not in reported and p.exitcode is not None and now - dead_since.setdefault(r, now) > 1.0:
+                    failures.append((r, f"rank {r} exited with code {p.exitcode} without reporting a result"))
         else:
-            failures.append((rank, payload))
-        if failures and deadline > time.monotonic() + _GRACE_S:  # the others get a bounded grace, once
-            deadline = time.monotonic() + _GRACE_S
+            if ok:
+                done[rank] = pickle.loads(payload)
+            else:
+                failures.append((rank, payload))
+        if failures:  # the others get a bounded grace, counted from the first failure
+            deadline = min(deadline, time.monotonic() + _GRACE_S)
     if failures:
         rank, text = failures[0]
         others = sorted(r for r, _ in failures[1:])

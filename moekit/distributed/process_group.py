@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import moekit  # first: sets TRITON_INTERPRET in every spawned child before any kernel import
 from moekit.errors import InvalidInputError
+from moekit.validate import check_positive_int
 
 BACKENDS = ("gloo", "nccl")
 NCCL_SAFETY_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
@@ -48,8 +49,7 @@ def check_timeout(timeout_s, *, none_means: str | None = None) -> None:
 
 
 def check_backend(backend: str | None, world_size: int, timeout_s) -> str:
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size <= 0:
-        raise InvalidInputError(f"world_size must be a positive int, got {world_size!r}")
+    check_positive_int(world_size, "world_size")
     check_timeout(timeout_s)
     backend = default_backend(world_size) if backend is None else backend
     if backend not in BACKENDS:
@@ -111,8 +111,7 @@ def init_from_env(*, backend: str | None = None, timeout_s: float = 300.0) -> tu
     if found is None:
         return 0, 1
     rank, world_size = found
-    if backend is None:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        backend = default_backend(local)
+    if backend is None:  # a GPU per process of this node?
+        backend = default_backend(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     join_group(backend, rank, world_size, timeout_s, init_method="env://")
     return rank, world_size

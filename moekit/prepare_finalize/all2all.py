@@ -34,10 +34,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from moekit.distributed.collectives import group_device, wait
 from moekit.distributed.process_group import check_timeout
 from moekit.errors import CapacityError, DistributedError, InvalidIdsError, InvalidInputError
 from moekit.prepare_finalize import capacity
-from moekit.prepare_finalize.agreement import WIRE_IDS, Agreement, Dispatch, bad_map_entries, refusal_code, wait
+from moekit.prepare_finalize.agreement import CHECKS, MODES, WIRE_IDS, Agreement, Dispatch, bad_map_entries
 from moekit.prepare_finalize.base import PrepareFinalize, quantize_activations, weight_and_reduce
 from moekit.types import ActivationFormat, ExpertPlacement, ExpertTokensMetadata, Prepared, QuantScheme
 
@@ -59,10 +60,6 @@ class DispatchHandle:
     M: int
     topk: int
     recv_counts: torch.Tensor
-
-
-MODES = ("exact", "capacity")
-CHECKS = ("sync", "deferred")
 
 
 class All2AllPrepareFinalize(PrepareFinalize):
@@ -123,7 +120,6 @@ class All2AllPrepareFinalize(PrepareFinalize):
         self.mode, self.max_tokens_per_rank, self.check = mode, C, check
         self.last_handle: DispatchHandle | capacity.CapacityHandle | None = None  # the latest prepare's, for inspection
         self._agreement = Agreement(group, timeout_s=timeout_s)
-        self._agreed: tuple[capacity.Layer, object] | None = None  # capacity mode's last agreement
         self._device: torch.device | None = None  # the latest call's, for refuse
 
     def __repr__(self) -> str:
@@ -131,21 +127,26 @@ class All2AllPrepareFinalize(PrepareFinalize):
         return f"All2AllPrepareFinalize(mode={self.mode!r}{cap}, timeout_s={self.timeout_s})"
 
     # ----------------------------------------------------------------------------------------
-    def _world(self) -> tuple[int, int]:
-        if not (dist.is_available() and dist.is_initialized()):
-            raise DistributedError(
-                "All2AllPrepareFinalize needs an initialized torch.distributed process group; run "
-                "under moekit.distributed.launch(...) or torchrun + moekit.distributed.init_from_env()"
-            )
-        return dist.get_rank(self.group), dist.get_world_size(self.group)
-
-    def _exchange(self, out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, what: str):
-        work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=True)
-        return work, what
-
-    def _wait(self, *pending) -> None:
+    def _all_to_all(self, exchanges: list[tuple], out_splits=None, in_splits=None) -> None:
+        """``(out, inp, what)`` exchanges with the same splits (None: equal), all started before the first
+        wait; each waits at most ``timeout_s``."""
+        pending = [
+            (dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=True), what)
+            for out, inp, what in exchanges
+        ]
         for work, what in pending:
             wait(work, timeout_s=self.timeout_s, what=f"all-to-all of {what}", group=self.group)
+
+    def _all_to_all_rows(self, sent: dict, recv_rows: int | None = None, recv_splits=None, send_splits=None) -> dict:
+        """Every tensor of ``sent`` (what it is -> rows, or None) to the other ranks: ``send_splits``
+        rows to each, ``recv_rows`` rows back in ``recv_splits`` (None: equal splits, as many rows back
+        as sent). Returns the received tensors under the same names (None where None was sent)."""
+        received = dict.fromkeys(sent)
+        for what, t in sent.items():
+            if t is not None:
+                received[what] = t.new_empty((t.shape[0] if recv_rows is None else recv_rows, *t.shape[1:]))
+        self._all_to_all([(received[w], t, w) for w, t in sent.items() if t is not None], recv_splits, send_splits)
+        return received
 
     def _configured(self) -> Agreement:
         """The agreement, told this stage's current options (they are plain attributes)."""
@@ -153,9 +154,6 @@ class All2AllPrepareFinalize(PrepareFinalize):
         self._agreement.timeout_s = self.timeout_s
         self._agreement.dispatch = Dispatch(self.mode, self.max_tokens_per_rank, check)
         return self._agreement
-
-    def _agree(self, hidden, topk, quant, placement):
-        return self._configured().check(hidden, topk, quant, placement)  # named error on every rank
 
     def refuse(self, error: Exception) -> None:
         """This rank's inputs were rejected at the door: join the exchange the peers are in (the
@@ -165,10 +163,10 @@ class All2AllPrepareFinalize(PrepareFinalize):
         if not (dist.is_available() and dist.is_initialized()):
             return
         self.last_handle = None
-        device = self._device or _group_device(self.group)
+        device = self._device or group_device(self.group)
         try:
-            if self.mode == "capacity" and self._agreed is not None:
-                self._refuse_capacity(refusal_code(error), self._agreed[0], device)
+            if self.mode == "capacity" and self._agreement.layer is not None:
+                self._refuse_capacity(error, device)
             else:
                 self._configured().refuse(error, device)
         except Exception as e:  # the door's error must reach the caller, not this one
@@ -184,14 +182,18 @@ class All2AllPrepareFinalize(PrepareFinalize):
         quant: QuantScheme,
         placement: ExpertPlacement,
     ) -> Prepared:
-        rank, world = self._world()
+        if not (dist.is_available() and dist.is_initialized()):
+            raise DistributedError(
+                "All2AllPrepareFinalize needs an initialized torch.distributed process group; run "
+                "under moekit.distributed.launch(...) or torchrun + moekit.distributed.init_from_env()"
+            )
         self.last_handle, self._device = None, hidden.device
         if self.mode == "capacity":
-            return self._prepare_capacity(hidden, topk_weights, topk_ids, quant, placement, world)
+            return self._prepare_capacity(hidden, topk_weights, topk_ids, quant, placement)
         device = hidden.device
         M, topk = topk_ids.shape
-        K = hidden.shape[1]
-        agreed = self._agree(hidden, topk, quant, placement)
+        agreed = self._configured().check(hidden, topk, quant, placement)  # named error on every rank
+        world = len(agreed.sizes)  # one block of experts per rank
         E, E_local = placement.global_num_experts, placement.num_local_experts
 
         # Sort keys: the expert's place in (owner, local id) order, E for an empty slot (-1), E + 1
@@ -203,20 +205,16 @@ class All2AllPrepareFinalize(PrepareFinalize):
         hist = torch.zeros(E + 2, dtype=torch.int64, device=device).scatter_add_(0, key, torch.ones_like(key))
         # Per destination d: pairs for each of d's experts in its local order, plus this rank's
         # invalid-id count, so that a bad id on one rank makes every rank raise instead of waiting.
-        chunks, start = [], 0
-        for size in agreed.sizes:
-            chunks += [hist[start : start + size], hist[E + 1 :]]
-            start += size
-        send = torch.cat(chunks)
+        invalid = hist[E + 1 :]
+        send = torch.cat([part for per_owner in hist[:E].split(agreed.sizes) for part in (per_owner, invalid)])
         recv = torch.empty((world, E_local + 1), dtype=torch.int64, device=device)
-        self._wait(
-            self._exchange(recv.view(-1), send, [E_local + 1] * world, [s + 1 for s in agreed.sizes], "the split sizes")
-        )
+        send_sizes = [s + 1 for s in agreed.sizes]
+        self._all_to_all([(recv.view(-1), send, "the split sizes")], [E_local + 1] * world, send_sizes)
         sent_cpu, recv_cpu = hist.cpu(), recv.cpu()  # the host sync of the exact-size exchange
         bad = recv_cpu[:, E_local].nonzero().flatten().tolist()
         if bad:
             raise InvalidIdsError(f"topk_ids must be in [0, E_global={E}) or -1; rank(s) {bad} passed others")
-        send_splits = [int(sent_cpu[a:b].sum()) for a, b in _bounds(agreed.sizes)]
+        send_splits = [int(per_owner.sum()) for per_owner in sent_cpu[:E].split(agreed.sizes)]
         recv_counts = recv_cpu[:, :E_local]  # [W, E_local]: received from each rank, per expert
         recv_splits = recv_counts.sum(1).tolist()
         R = sum(recv_splits)
@@ -224,135 +222,74 @@ class All2AllPrepareFinalize(PrepareFinalize):
         gid, token = flat[pairs], pairs // topk
 
         a1q, a1q_scale = quantize_activations(hidden, quant)
-        wire = a1q.view(torch.uint8) if a1q.dtype == torch.float8_e4m3fn else a1q  # fp8 travels as bytes
-        rows = wire.new_empty((R, K))
-        ids = torch.empty((R,), dtype=WIRE_IDS, device=device)  # one wire dtype, whatever each rank passed
-        pending = [
-            self._exchange(rows, wire[token], recv_splits, send_splits, "activation rows"),
-            self._exchange(ids, gid.to(WIRE_IDS), recv_splits, send_splits, "expert ids"),
-        ]
-        scales = None
-        if a1q_scale is not None:
-            scales = a1q_scale.new_empty((R, a1q_scale.shape[1]))
-            sent = a1q_scale[token].contiguous()
-            pending.append(self._exchange(scales, sent, recv_splits, send_splits, "scales"))
-        self._wait(*pending)
+        scales = None if a1q_scale is None else a1q_scale[token].contiguous()
+        # Ids travel in one wire dtype, whatever each rank passed.
+        sent = {"activation rows": _wire(a1q)[token], "expert ids": gid.to(WIRE_IDS), "scales": scales}
+        got = self._all_to_all_rows(sent, R, recv_splits, send_splits)
 
         per_expert = recv_counts.sum(0).to(torch.int32)  # [E_local], CPU
-        meta = ExpertTokensMetadata(per_expert.to(device), per_expert)
-        handle = DispatchHandle(send_splits, recv_splits, pairs, topk_weights, M, topk, recv_counts)
-        self.last_handle = handle
+        self.last_handle = DispatchHandle(send_splits, recv_splits, pairs, topk_weights, M, topk, recv_counts)
         return Prepared(
-            a1q=rows.view(a1q.dtype),
-            a1q_scale=scales,
-            tokens_meta=meta,
-            topk_ids=ids.view(R, 1),
+            a1q=got["activation rows"].view(a1q.dtype),
+            a1q_scale=got["scales"],
+            tokens_meta=ExpertTokensMetadata(per_expert.to(device), per_expert),
+            topk_ids=got["expert ids"].view(R, 1),
             topk_weights=torch.ones((R, 1), dtype=torch.float32, device=device),
-            handle=handle,
+            handle=self.last_handle,
         )
 
     # ----------------------------------------------------------------------------------------
-    def _agree_capacity(self, hidden, topk, quant, placement):
-        """The agreement (C and the check mode are in its header), once per layer: later calls
-        with the same layer exchange nothing more than the blocks, so they can run inside a CUDA graph."""
-        layer = capacity.Layer(
-            hidden.dtype,
-            hidden.shape[1],
-            placement.global_num_experts,
-            placement.num_local_experts,
-            topk,
-            quant,
-            self.max_tokens_per_rank,
-            self.check,
-        )
-        if self._agreed is not None and self._agreed[0] == layer:
-            return self._agreed[1]
-        self._agreed = None
-        agreed = self._agree(hidden, topk, quant, placement)
-        self._agreed = (layer, agreed)
-        return agreed
-
-    def _refuse_capacity(self, code: int, layer: capacity.Layer, device) -> None:
+    def _refuse_capacity(self, error: Exception, device) -> None:
         """The blocks the peers wait for (empty, flagged refused); in deferred mode, the combine too."""
-        send = capacity.refused_blocks(layer, dist.get_world_size(self.group), code, device)
-        names = ("activation rows", "expert ids", "router weights", "capacity flags", "scales")
-        sent = [(t, n) for t, n in zip(send, names, strict=True) if t is not None]
-        self._wait(*[self._exchange(torch.empty_like(t), t, None, None, n) for t, n in sent])
-        if layer.check == "deferred":  # the peers go on to the combine: join it, sending nothing
-            zeros = torch.zeros((send[0].shape[0], layer.K), dtype=torch.float32, device=device)
-            self._wait(self._exchange(torch.empty_like(zeros), zeros, None, None, "partial sums (combine)"))
+        layer = self._agreement.layer
+        sent = capacity.refused_blocks(layer, dist.get_world_size(self.group), error, device)
+        self._all_to_all_rows(vars(sent))
+        if layer.dispatch.check == "deferred":  # the peers go on to the combine: join it, sending nothing
+            zeros = torch.zeros((sent.rows.shape[0], layer.K), dtype=torch.float32, device=device)
+            self._all_to_all([(torch.empty_like(zeros), zeros, "partial sums (combine)")])
 
-    def _prepare_capacity(self, hidden, topk_weights, topk_ids, quant, placement, world, *, again=True) -> Prepared:
+    def _prepare_capacity(self, hidden, topk_weights, topk_ids, quant, placement, *, again=True) -> Prepared:
+        """The agreement once per layer (C and the check mode are in its header): later calls with the
+        same layer exchange nothing more than the blocks, so they can run inside a CUDA graph."""
         C, (M, topk) = self.max_tokens_per_rank, topk_ids.shape
-        agreed = self._agree_capacity(hidden, topk, quant, placement)
+        agreed = self._configured().check(hidden, topk, quant, placement, reuse=True)
         a1q, a1q_scale = quantize_activations(hidden, quant)
-        wire = a1q.view(torch.uint8) if a1q.dtype == torch.float8_e4m3fn else a1q  # fp8 travels as bytes
-        map_flags = (self._agreement.changed(placement), bad_map_entries(placement))
-        rows, scales, ids, weights, flags, slot = capacity.pack(
-            wire, a1q_scale, topk_ids, topk_weights, placement, agreed, C, world, map_flags=map_flags
+        flags = (self._agreement.changed(placement), bad_map_entries(placement))
+        layer = self._agreement.layer
+        packed = capacity.pack(
+            _wire(a1q), a1q_scale, topk_ids, topk_weights, layer=layer, agreed=agreed, map_flags=flags
         )
-        recv = [torch.empty_like(t) for t in (rows, ids, weights, flags)]
-        pending = [
-            self._exchange(recv[0], rows, None, None, "activation rows"),
-            self._exchange(recv[1], ids, None, None, "expert ids"),
-            self._exchange(recv[2], weights, None, None, "router weights"),
-            self._exchange(recv[3], flags, None, None, "capacity flags"),
-        ]
-        recv_scales = None
-        if scales is not None:  # last: refuse sends in this order too
-            recv_scales = torch.empty_like(scales)
-            pending.append(self._exchange(recv_scales, scales, None, None, "scales"))
-        self._wait(*pending)
+        recv = capacity.Blocks(**self._all_to_all_rows(vars(packed.blocks)))
         if self.check == "sync":  # the one read of this mode
-            flags = recv[3].cpu()
-            capacity.raise_for(flags, C, placement.global_num_experts, rank=dist.get_rank(self.group))
-            changed = capacity.map_changed(flags)
+            changed = capacity.raise_for(recv.flags, C, placement.global_num_experts, rank=dist.get_rank(self.group))
             if changed and again:  # every rank read the same flags: all agree again, then send again
-                self._agreed = None
-                return self._prepare_capacity(hidden, topk_weights, topk_ids, quant, placement, world, again=False)
+                self._agreement.layer = None
+                return self._prepare_capacity(hidden, topk_weights, topk_ids, quant, placement, again=False)
             if changed:
                 raise InvalidInputError(
                     f"rank(s) {changed} changed their expert_map during this call, after the ranks agreed again"
                 )
         from moekit.kernels.count import count_expert_num_tokens
 
-        counts = count_expert_num_tokens(recv[1], placement.num_local_experts, placement.expert_map)
-        handle = capacity.CapacityHandle(slot.view(world, M), M, C, recv[3], recv[1], recv[2], placement, M > C)
-        self.last_handle = handle
+        counts = count_expert_num_tokens(recv.ids, placement.num_local_experts, placement.expert_map)
+        self.last_handle = capacity.CapacityHandle(packed.slot, M, C, recv, placement)
         return Prepared(
-            a1q=recv[0].view(a1q.dtype),
-            a1q_scale=recv_scales,
+            a1q=recv.rows.view(a1q.dtype),
+            a1q_scale=recv.scales,
             tokens_meta=ExpertTokensMetadata(counts),
-            topk_ids=recv[1],
-            topk_weights=recv[2],
-            handle=handle,
+            topk_ids=recv.ids,
+            topk_weights=recv.weights,
+            handle=self.last_handle,
         )
-
-    def _finalize_capacity(self, fused_out, prepared, output) -> torch.Tensor:
-        h: capacity.CapacityHandle = prepared.handle
-        R, topk, K = h.recv_ids.shape[0], h.recv_ids.shape[1], output.shape[1]
-        if fused_out.numel() != R * topk * K or tuple(output.shape) != (h.M, K):
-            raise InvalidInputError(
-                f"fused_out must be [R={R}, topk={topk}, K] and output [M={h.M}, K={K}], got "
-                f"{tuple(fused_out.shape)} and {tuple(output.shape)}"
-            )
-        partial = torch.empty((R, K), dtype=torch.float32, device=output.device)  # fp32 on the wire
-        weight_and_reduce(fused_out.reshape(R, topk, K), h.recv_weights, partial)
-        back = torch.empty_like(partial)
-        self._wait(self._exchange(back, partial, None, None, "partial sums (combine)"))
-        if h.local_overflow:  # every collective joined; now the error, before the output is written
-            raise CapacityError(f"this rank passed {h.M} tokens, more than max_tokens_per_rank={h.C}")
-        return capacity.unpack(back, h, output)
 
     def raise_if_failed(self) -> None:
         """After a ``check="deferred"`` step: raise what the last dispatch's flags say (a host sync)."""
         h = self.last_handle
         if isinstance(h, capacity.CapacityHandle):
-            flags, rank = h.flags.cpu(), dist.get_rank(self.group)
-            capacity.raise_for(flags, h.C, h.placement.global_num_experts, rank=rank)
-            changed = capacity.map_changed(flags)
+            rank = dist.get_rank(self.group)
+            changed = capacity.raise_for(h.received.flags, h.C, h.placement.global_num_experts, rank=rank)
             if changed:  # every rank reads the same flags: each agrees again at its next call
-                self._agreed = None
+                self._agreement.layer = None
                 raise InvalidInputError(
                     f"rank(s) {changed} sent with an expert_map other than the one the ranks agreed on (changed "
                     f"since, seen from rank {rank}): that step's tokens followed the old placement. The next "
@@ -360,24 +297,27 @@ class All2AllPrepareFinalize(PrepareFinalize):
                 )
 
     def finalize(self, fused_out: torch.Tensor, prepared: Prepared, *, output: torch.Tensor) -> torch.Tensor:
-        if isinstance(prepared.handle, capacity.CapacityHandle):
-            return self._finalize_capacity(fused_out, prepared, output)
-        h: DispatchHandle = prepared.handle
-        if not isinstance(h, DispatchHandle):
+        h = prepared.handle
+        if not isinstance(h, DispatchHandle | capacity.CapacityHandle):
             raise InvalidInputError("finalize needs the Prepared that this stage's prepare returned")
-        R, K = prepared.a1q.shape[0], output.shape[1]
-        if fused_out.numel() != R * K:
+        R, topk = prepared.topk_ids.shape  # exact mode: one row (topk 1) per received (token, slot) pair
+        K = output.shape[1]
+        if fused_out.numel() != R * topk * K or tuple(output.shape) != (h.M, K):
             raise InvalidInputError(
-                f"fused_out must hold one [K={K}] row per received row (R={R}), got {tuple(fused_out.shape)}"
+                f"fused_out must be [R={R}, topk={topk}, K] and output [M={h.M}, K={K}], got "
+                f"{tuple(fused_out.shape)} and {tuple(output.shape)}"
             )
-        if tuple(output.shape) != (h.M, K):
-            raise InvalidInputError(f"output must be [M={h.M}, K={K}], got {tuple(output.shape)}")
+        if isinstance(h, capacity.CapacityHandle):
+            partial = torch.empty((R, K), dtype=torch.float32, device=output.device)  # fp32 on the wire
+            weight_and_reduce(fused_out.reshape(R, topk, K), h.received.weights, partial)
+            back = torch.empty_like(partial)
+            self._all_to_all([(back, partial, "partial sums (combine)")])
+            if h.M > h.C:  # every collective joined; now the error, before the output is written
+                raise CapacityError(f"this rank passed {h.M} tokens, more than max_tokens_per_rank={h.C}")
+            return capacity.unpack(back, h, output)
         back = fused_out.new_empty((h.pairs.numel(), K))
-        self._wait(
-            self._exchange(
-                back, fused_out.reshape(R, K).contiguous(), h.send_splits, h.recv_splits, "expert outputs (combine)"
-            )
-        )
+        combine = (back, fused_out.reshape(R, K).contiguous(), "expert outputs (combine)")
+        self._all_to_all([combine], h.send_splits, h.recv_splits)
         if h.M == 0:  # this rank only served others (weight_and_reduce cannot view [0, -1, K])
             return output
         per_slot = torch.zeros((h.M * h.topk, K), dtype=torch.float32, device=output.device)
@@ -385,17 +325,6 @@ class All2AllPrepareFinalize(PrepareFinalize):
         return weight_and_reduce(per_slot.view(h.M, h.topk, K), h.topk_weights, output)
 
 
-def _group_device(group) -> torch.device:
-    """Where this group's tensors live: the current GPU for NCCL, else the CPU."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _bounds(sizes) -> list[tuple[int, int]]:
-    """[start, end) of each rank's block of experts in (owner, local id) order."""
-    out, start = [], 0
-    for size in sizes:
-        out.append((start, start + size))
-        start += size
-    return out
+def _wire(a1q: torch.Tensor) -> torch.Tensor:
+    """The activations as they travel: fp8 as bytes (not every backend moves fp8), others as they are."""
+    return a1q.view(torch.uint8) if a1q.dtype == torch.float8_e4m3fn else a1q
