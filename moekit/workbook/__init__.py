@@ -34,26 +34,23 @@ from moekit.workbook.cases import Sampler, fresh_seed
 
 @dataclass(frozen=True)
 class Exercise:
-    """One exercise: what the learner writes (``names``), checked by ``check_<key>`` (in
-    :mod:`moekit.workbook.checks` or :mod:`moekit.workbook.kernel_checks`), and its solution."""
+    """One exercise (``EXERCISES[key]``): what the learner writes (``names``), checked by
+    ``check_<key>`` (in :mod:`moekit.workbook.checks` or :mod:`moekit.workbook.kernel_checks`),
+    and its solution."""
 
-    key: str
     title: str
     names: tuple[str, ...]
     solution: str  # module under moekit.workbook.solutions
 
 
 EXERCISES = {
-    e.key: e
-    for e in (
-        Exercise("chunk_plan", "1. The chunk plan", ("chunk_plan", "chunk_inputs"), "chunk_plan"),
-        Exercise("workspace_shapes", "2. Workspace shapes of a new backend", ("MyExperts",), "workspace"),
-        Exercise("recount", "3. The per-chunk recount", ("chunk_counts",), "recount"),
-        Exercise("scan_kernel", "4a. The count kernel: the seed's scan", ("scan_kernel",), "count_kernels"),
-        Exercise("histogram_kernel", "4b. The count kernel: one pass", ("histogram_kernel",), "count_kernels"),
-        Exercise("align_kernel", "5. moe_align_block_size in Triton", ("align_kernel",), "align"),
-        Exercise("row_plan", "6. A chunk plan along the sorted rows", ("row_chunk_plan",), "row_plan"),
-    )
+    "chunk_plan": Exercise("1. The chunk plan", ("chunk_plan", "chunk_inputs"), "chunk_plan"),
+    "workspace_shapes": Exercise("2. Workspace shapes of a new backend", ("MyExperts",), "workspace"),
+    "recount": Exercise("3. The per-chunk recount", ("chunk_counts",), "recount"),
+    "scan_kernel": Exercise("4a. The count kernel: the seed's scan", ("scan_kernel",), "count_kernels"),
+    "histogram_kernel": Exercise("4b. The count kernel: one pass", ("histogram_kernel",), "count_kernels"),
+    "align_kernel": Exercise("5. moe_align_block_size in Triton", ("align_kernel",), "align"),
+    "row_plan": Exercise("6. A chunk plan along the sorted rows", ("row_chunk_plan",), "row_plan"),
 }
 
 
@@ -66,7 +63,8 @@ def _exercise(key: str) -> Exercise:
 def grade(key: str, *objects, seed: int | None = None) -> int:
     """Run exercise ``key``'s check on ``objects`` (the learner's, in :attr:`Exercise.names`
     order) with cases drawn from ``seed`` (None: a fresh one); returns the number of cases
-    checked, or raises ExerciseFailed, whose message ends with the seed."""
+    checked (:attr:`Sampler.cases <moekit.workbook.cases.Sampler>`), or raises ExerciseFailed,
+    whose message ends with the seed."""
     ex = _exercise(key)
     if len(objects) != len(ex.names):
         raise InvalidInputError(f"exercise {key!r} checks {len(ex.names)} object(s) {ex.names}, got {len(objects)}")
@@ -76,7 +74,7 @@ def grade(key: str, *objects, seed: int | None = None) -> int:
     fn = getattr(checks, f"check_{key}", None) or getattr(kernel_checks, f"check_{key}")
     replay = f" [seed={sampler.seed}]"
     try:
-        return fn(*objects, sampler=sampler)
+        fn(*objects, sampler=sampler)
     except ExerciseFailed as e:
         raise ExerciseFailed(f"{e}{replay}") from e
     except NotImplementedError as e:
@@ -84,11 +82,13 @@ def grade(key: str, *objects, seed: int | None = None) -> int:
     except Exception as e:  # the learner's code crashed: that is a failed case, said in one line
         why = str(e).splitlines()[0][:240] if str(e) else ""
         raise ExerciseFailed(f"{type(e).__name__} in {sampler.case}: {why}{replay}") from e
+    return sampler.cases
 
 
-def check(key: str, *objects, strict: bool = False, seed: int | None = None) -> bool:
+def check(key: str, *objects, strict: bool = False, seed: int | None = None, report=print) -> bool:
     """Grade and print one line: ``PASS`` with the number of cases and the seed, or ``FAIL``,
-    why, and the seed (``seed=`` replays a run)."""
+    why, and the seed (``seed=`` replays a run). ``report`` takes the line in ``print``'s place
+    (:func:`check_button` shows it beside the button)."""
     title = _exercise(key).title
     check_flag(strict, "strict")
     seed = fresh_seed() if seed is None else seed
@@ -97,9 +97,9 @@ def check(key: str, *objects, strict: bool = False, seed: int | None = None) -> 
     except ExerciseFailed as e:
         if strict:
             raise
-        print(f"FAIL  {title}: {e}")
+        report(f"FAIL  {title}: {e}")
         return False
-    print(f"PASS  {title}: {cases} cases [seed={seed}]")
+    report(f"PASS  {title}: {cases} cases [seed={seed}]")
     return True
 
 
@@ -123,20 +123,15 @@ def show_solution(key: str) -> None:
 def check_button(key: str, objects):
     """A button that re-runs :func:`check` on ``objects()`` (a callable returning the learner's
     current objects) and shows the one-line result beside it."""
-    import contextlib
-    import io
-
     import ipywidgets
 
     button = ipywidgets.Button(description=f"check {key}")
     result = ipywidgets.HTML()
 
     def run(_=None):
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            ok = check(key, *objects())
-        colour = "green" if ok else "firebrick"
-        result.value = f"<code style='color:{colour}'>{out.getvalue().strip()}</code>"
+        lines = []
+        colour = "green" if check(key, *objects(), report=lines.append) else "firebrick"
+        result.value = f"<code style='color:{colour}'>{lines[0]}</code>"
 
     button.on_click(run)
     box = ipywidgets.HBox([button, result])

@@ -32,23 +32,15 @@ class GatedTorchExperts(Experts):
         gemm1 = carve(call.workspace13, (pairs, N))  # must fit what was declared for this chunk
         act = carve(call.workspace2, (pairs, N // 2))
         local = local_expert_ids(call.topk_ids, p.num_local_experts, call.expert_map).reshape(-1)
-        token = torch.arange(pairs, device=local.device) // p.topk
-        gemm1.zero_()
-        for e in local.unique().tolist():
-            if e < 0:
-                continue
-            rows = (local == e).nonzero().flatten()
-            gemm1[rows] = (call.hidden[token[rows]].float() @ w.w1[e].float().t()).to(gemm1.dtype)
-        act.copy_(silu_and_mul(gemm1.float()).to(act.dtype))
+        pair = torch.arange(pairs, device=local.device)
+        token, slot = pair // p.topk, pair % p.topk
         out = call.output  # [M, topk, K]: a row per (token, slot), indexed as a kernel would
-        for j in range(p.topk):
-            slot = local.view(p.M, p.topk)[:, j]
-            vals = torch.zeros(p.M, p.K, device=act.device)
-            for e in slot.unique().tolist():
-                if e >= 0:
-                    rows = (slot == e).nonzero().flatten()
-                    vals[rows] = act.view(p.M, p.topk, -1)[rows, j].float() @ w.w2[e].float().t()
-            out[:, j, :] = vals.to(out.dtype)
+        out[token, slot, :] = 0  # a pair of another rank's expert (or an empty slot) adds nothing
+        for e in local[local >= 0].unique().tolist():
+            rows = (local == e).nonzero().flatten()  # expert e's pairs, each a row of the workspaces
+            gemm1[rows] = (call.hidden[token[rows]].float() @ w.w1[e].float().t()).to(gemm1.dtype)
+            act[rows] = silu_and_mul(gemm1[rows].float()).to(act.dtype)
+            out[token[rows], slot[rows], :] = (act[rows].float() @ w.w2[e].float().t()).to(out.dtype)
         return "torch"
 
 

@@ -70,10 +70,15 @@ class Batch:
 
 
 class Sampler:
-    """Seeded draws for one run of a check; ``case`` names the case the check is on."""
+    """Seeded draws for one run of a check; ``case`` names the case the check is on, and
+    ``cases`` counts the cases it began (:meth:`new_case`)."""
 
     def __init__(self, seed: int):
-        self.seed, self.rng, self.case = seed, random.Random(seed), "its first case"
+        self.seed, self.rng, self.case, self.cases = seed, random.Random(seed), "its first case", 0
+
+    def new_case(self, case: str) -> None:
+        """The check is now on ``case`` (what a failure names)."""
+        self.case, self.cases = case, self.cases + 1
 
     def tensor(self, *shape: int) -> torch.Tensor:
         """Fresh ``randn`` values (never zeros), seeded from this run."""

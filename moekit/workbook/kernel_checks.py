@@ -26,29 +26,23 @@ import contextlib
 from dataclasses import replace
 
 import torch
-import triton
 
 from moekit.device import get_device, interpreting
 from moekit.reference import count_reference
 from moekit.workbook.cases import BLOCKS, HOT, Batch, Sampler, num_bins
 from moekit.workbook.checks import difference, fail
-from moekit.workbook.probes import is_triton_kernel, watch_inputs, watch_memory
+from moekit.workbook.probes import MemoryOps, is_triton_kernel, watch_inputs, watch_memory
 
 BLOCK_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # the align's block sizes
 PROGRAMS = 120  # at most this many programs (or scan steps, per expert) per drawn case: the interpreter runs each
 WORK_SLACK = 16  # element operations a one-pass count may spend per bin and program
 COUNT_EDGES = ({"M": 0}, {"M": 1, "E": 1}, {"M": 128, "topk": 2}, {"hot": HOT, "E": 2})  # 256 ids: whole tiles
+INPUTS = ("ids", "map")  # what the kernels read and must never write (the align kernel takes no map)
 
 
 def _padded(t: torch.Tensor, margin: int) -> torch.Tensor:
     """``t`` (1-D) inside a buffer with ``margin`` zeros on each side; returns the view of ``t``."""
-    buf = torch.zeros(t.numel() + 2 * margin, dtype=t.dtype, device=get_device())
-    buf[margin : margin + t.numel()] = t
-    return buf[margin : margin + t.numel()]
-
-
-def _watched(**tensors):
-    return watch_memory(**tensors) if interpreting() else contextlib.nullcontext(None)
+    return torch.nn.functional.pad(t.to(get_device()), (margin, margin))[margin : margin + t.numel()]
 
 
 def _require_kernel(what: str, kernel) -> None:
@@ -56,28 +50,18 @@ def _require_kernel(what: str, kernel) -> None:
         fail(f"{what} is a {type(kernel).__name__}, not a @triton.jit function: the exercise is a Triton kernel")
 
 
-def _launch(kernel, grid, case: str, tensors: dict, *sizes, margin: int, inputs=("ids", "map"), **meta):
+def _launch(kernel, grid, case: str, tensors: dict, *sizes, margin: int, **meta):
     """``kernel[grid](*tensors, *sizes, **meta)`` on copies of ``tensors`` padded by ``margin``
-    (a None tensor passes the ids in its place), watched; fails when it changed one of
-    ``inputs``. Returns the copies by name, and the MemoryOps (None on a GPU)."""
+    (a None tensor passes the ids in its place), watched under the interpreter; fails when it
+    changed one of the :data:`INPUTS`. Returns the copies by name, and the MemoryOps (None on a GPU)."""
     bufs = {n: None if t is None else _padded(t.reshape(-1), margin) for n, t in tensors.items()}
-    with watch_inputs(**{n: bufs[n] for n in inputs}) as changed, _watched(**bufs) as ops:
+    watched = watch_memory(**bufs) if interpreting() else contextlib.nullcontext(None)
+    with watch_inputs(**{n: bufs[n] for n in INPUTS if n in bufs}) as changed, watched as ops:
         if grid[0]:
             kernel[grid](*(bufs["ids"] if t is None else t for t in bufs.values()), *sizes, **meta)
     if changed:
         fail(f"{case} changed its input {changed[0]}: inputs are read-only")
     return bufs, ops
-
-
-def _run_count(kernel, b: Batch, block: int, case: str, *, scan: bool):
-    """Launch once, as the exercise's text says; returns (counts, MemoryOps or None)."""
-    numel, has_map = b.ids.numel(), b.expert_map is not None
-    grid = (b.num_local,) if scan else (triton.cdiv(numel, block),)
-    meta = {"HAS_MAP": has_map, "BLOCK": block} | ({} if scan else {"NUM_BINS": num_bins(b.num_local)})
-    tensors = {"ids": b.ids, "map": b.expert_map, "out": torch.zeros(b.num_local, dtype=torch.int32)}
-    limit, margin = b.routing.E if has_map else b.num_local, num_bins(b.routing.E) + block
-    bufs, ops = _launch(kernel, grid, case, tensors, numel, limit, b.num_local, margin=margin, **meta)
-    return bufs["out"].long().cpu().tolist(), ops
 
 
 def _check_ran(case: str, ops, numel: int, results: dict) -> None:
@@ -93,8 +77,9 @@ def _check_ran(case: str, ops, numel: int, results: dict) -> None:
             fail(f"{case}: the kernel never wrote {t}[{missed[0]}], which holds a result: the kernel writes them all")
 
 
-def _check_memory(case: str, ops, *, inputs=("ids", "map"), shared=("out",)) -> None:
-    """What every kernel of the workbook must respect, whatever its algorithm."""
+def _check_memory(case: str, ops) -> None:
+    """What every kernel of the workbook must respect, whatever its algorithm (only the count
+    kernels' programs share a tensor, ``out``: the align kernel runs one program)."""
     stray = {k: v for k, v in ops.outside.items() if v}
     if stray:
         lanes = ", ".join(f"{v} {k} lanes" for k, v in stray.items())
@@ -102,17 +87,16 @@ def _check_memory(case: str, ops, *, inputs=("ids", "map"), shared=("out",)) -> 
             f"{case} touched memory outside its tensors ({lanes}): mask every lane that is past the ids, "
             "or an id that is negative, past the map or >= E"
         )
-    for t in inputs:
+    for t in INPUTS:
         if ops.writes(t):
             fail(f"{case} wrote {ops.writes(t)} elements of '{t}', an input (an atomic on it writes too)")
-    for t in shared:
-        races = ops.races(t)
-        if races:
-            fail(
-                f"{case}: programs wrote {t} without an atomic where another program also touched it "
-                f"({races[0]}{' and more' if len(races) > 1 else ''}): on a GPU they run at once and updates are "
-                "lost; the interpreter runs them one by one and cannot show it"
-            )
+    races = ops.races("out")
+    if races:
+        fail(
+            f"{case}: programs wrote out without an atomic where another program also touched it "
+            f"({races[0]}{' and more' if len(races) > 1 else ''}): on a GPU they run at once and updates are "
+            "lost; the interpreter runs them one by one and cannot show it"
+        )
     if ops.histogram_misses:
         p, v, bins = ops.histogram_misses[0]
         fail(
@@ -126,11 +110,10 @@ def _check_programs(case: str, ops, numel: int, E_local: int, block: int, *, sca
     expert; the one-pass count's programs each read their own tile, each id once."""
     if scan:
         for p in range(E_local):
-            seen = ops.read_set("ids", p)
-            if len(seen) < numel:
+            if len(ops.read_set("ids", p)) < numel:
                 fail(
-                    f"{case}: program {p} read {len(seen)} of the {numel} ids; in the seed's scan every "
-                    "program walks every id (its expert's count)"
+                    f"{case}: program {p} read {len(ops.read_set('ids', p))} of the {numel} ids; in the seed's scan "
+                    "every program walks every id (its expert's count)"
                 )
         for p in range(E_local):
             others = [int(i) for i in ops.written("out", p) if i != p]
@@ -156,81 +139,83 @@ def _check_programs(case: str, ops, numel: int, E_local: int, block: int, *, sca
             )
 
 
-def _check_work(kernel, sampler: Sampler) -> int:
+def _count_case(kernel, b: Batch, block: int, case: str, *, scan: bool) -> MemoryOps | None:
+    """One case of a count kernel: launch it once, as the exercise's text says; compare with the
+    reference; under the interpreter, check how it ran. Returns the MemoryOps (None on a GPU)."""
+    numel, has_map = b.ids.numel(), b.expert_map is not None
+    grid = (b.num_local,) if scan else (-(-numel // block),)  # one program per expert, or per tile
+    meta = {"HAS_MAP": has_map, "BLOCK": block} | ({} if scan else {"NUM_BINS": num_bins(b.num_local)})
+    tensors = {"ids": b.ids, "map": b.expert_map, "out": torch.zeros(b.num_local, dtype=torch.int32)}
+    limit, margin = b.routing.E if has_map else b.num_local, num_bins(b.routing.E) + block
+    bufs, ops = _launch(kernel, grid, case, tensors, numel, limit, b.num_local, margin=margin, **meta)
+    got, want = bufs["out"].long().cpu().tolist(), count_reference(b.ids, b.num_local, b.expert_map).tolist()
+    if got != want:
+        fail(f"{case}: got {difference(got, want)}")
+    if ops is not None:
+        _check_memory(case, ops)
+        _check_ran(case, ops, numel, {"out": [e for e, n in enumerate(want) if n]})
+        if numel:
+            _check_programs(case, ops, numel, b.num_local, block, scan=scan)
+    return ops
+
+
+def _check_work(kernel, sampler: Sampler) -> None:
     """A one-pass count does a fixed amount of work per id: going from 4 to 120 local experts
     may add work per bin (the histogram is wider), never per id and expert."""
     rt = sampler.routing(0, M=128, topk=2, E=120, map="none")
-    b, block, work = sampler.batch(rt), 64, {}
+    ids, block, work = sampler.batch(rt).ids, 64, {}
     for E_local in (4, 120):
-        local = Batch(rt, b.ids, None, E_local)
-        sampler.case = f"histogram_kernel on {rt}, E_local={E_local}, BLOCK={block}"
-        got, ops = _run_count(kernel, local, block, sampler.case, scan=False)
-        if got != count_reference(b.ids, E_local).tolist():
-            fail(f"{sampler.case}: got {difference(got, count_reference(b.ids, E_local).tolist())}")
-        work[E_local] = ops.total_work
-    programs, extra_bins, grown = b.ids.numel() // block, num_bins(120) - num_bins(4), work[120] - work[4]
+        sampler.new_case(f"histogram_kernel on {rt}, E_local={E_local}, BLOCK={block}")
+        work[E_local] = _count_case(kernel, Batch(rt, ids, None, E_local), block, sampler.case, scan=False).total_work
+    programs, extra_bins, grown = ids.numel() // block, num_bins(120) - num_bins(4), work[120] - work[4]
     if grown > WORK_SLACK * extra_bins * programs:
         fail(
             f"histogram_kernel: its work grew from {work[4]} to {work[120]} element operations when E_local went "
-            f"from 4 to 120 ({grown / b.ids.numel():.0f} more per id): a one-pass count does a fixed amount of work "
+            f"from 4 to 120 ({grown / ids.numel():.0f} more per id): a one-pass count does a fixed amount of work "
             "per id, whatever the number of experts (a loop over experts in registers is a scan)"
         )
-    return 1
 
 
-def _check_counts(kernel, sampler: Sampler, *, scan: bool) -> int:
-    what, cases = ("scan_kernel" if scan else "histogram_kernel"), 0
+def _check_counts(kernel, sampler: Sampler, *, scan: bool) -> None:
+    what = "scan_kernel" if scan else "histogram_kernel"
     _require_kernel(what, kernel)
     for rt in sampler.routings(6, *COUNT_EDGES, max_experts=48 if scan else 512):
         block = sampler.rng.choice(BLOCKS[-1:] if rt.hot else BLOCKS)
         if not rt.hot:  # the interpreter runs every program (and the scan every step) in Python
             rt = replace(rt, M=min(rt.M, PROGRAMS * block // (rt.topk * (rt.num_local if scan else 1))))
-        b = sampler.batch(rt, block=block)
-        sampler.case = f"{what} on {rt}, BLOCK={block}"
-        want = count_reference(b.ids, b.num_local, b.expert_map).tolist()
-        got, ops = _run_count(kernel, b, block, sampler.case, scan=scan)
-        if got != want:
-            fail(f"{sampler.case}: got {difference(got, want)}")
-        if ops is not None:
-            _check_memory(sampler.case, ops)
-            _check_ran(sampler.case, ops, b.ids.numel(), {"out": [e for e, n in enumerate(want) if n]})
-            if b.ids.numel():
-                _check_programs(sampler.case, ops, b.ids.numel(), b.num_local, block, scan=scan)
-        cases += 1
+        sampler.new_case(f"{what} on {rt}, BLOCK={block}")
+        _count_case(kernel, sampler.batch(rt, block=block), block, sampler.case, scan=scan)
     if interpreting() and not scan:
-        cases += _check_work(kernel, sampler)
-    return cases
+        _check_work(kernel, sampler)
 
 
-def check_scan_kernel(kernel, *, sampler: Sampler) -> int:
+def check_scan_kernel(kernel, *, sampler: Sampler) -> None:
     """The seed's algorithm: one program per local expert, each walking every id."""
-    return _check_counts(kernel, sampler, scan=True)
+    _check_counts(kernel, sampler, scan=True)
 
 
-def check_histogram_kernel(kernel, *, sampler: Sampler) -> int:
+def check_histogram_kernel(kernel, *, sampler: Sampler) -> None:
     """One pass: right counts, and (under the interpreter) one tile per program, each id and map
     entry read once, atomics where programs meet, and work per id independent of E."""
-    return _check_counts(kernel, sampler, scan=False)
+    _check_counts(kernel, sampler, scan=False)
 
 
 # ---------------------------------------------------------------------------------------------
 # 5. moe_align_block_size
 
 
-def check_align_kernel(kernel, *, sampler: Sampler) -> int:
+def check_align_kernel(kernel, *, sampler: Sampler) -> None:
     """``align_kernel`` (one program) sorts the pairs by expert and pads each expert to BLOCK_M.
     Any order of an expert's pairs inside its run is accepted (atomics assign the rows); every
     block's expert id is checked, and nothing past ``num_tokens_post_padded`` may be written."""
     _require_kernel("align_kernel", kernel)
-    cases = 0
     for rt in sampler.routings(6, *COUNT_EDGES, map="none", max_experts=256):
         block_m = sampler.rng.choice(BLOCK_MS[5:] if rt.hot else BLOCK_MS)
         block = sampler.rng.choice(BLOCKS[-1:] if rt.hot else BLOCKS)
         rt = rt if rt.hot else replace(rt, M=min(rt.M, 4 * PROGRAMS * block_m // rt.topk))  # blocks, one store each
-        b = sampler.batch(rt, block=block_m)
-        ids, E, bins = b.ids.reshape(-1), rt.E, num_bins(rt.E)
+        ids, E, bins = sampler.batch(rt, block=block_m).ids.reshape(-1), rt.E, num_bins(rt.E)
         numel, bound = ids.numel(), ids.numel() + E * (block_m - 1)  # the most rows E padded runs can take
-        sampler.case = f"align_kernel on {rt}, BLOCK_M={block_m}, BLOCK={block}"
+        sampler.new_case(f"align_kernel on {rt}, BLOCK_M={block_m}, BLOCK={block}")
         tensors = {
             "ids": ids,
             "sorted": torch.full((max(bound, 1),), numel, dtype=torch.int32),
@@ -239,26 +224,23 @@ def check_align_kernel(kernel, *, sampler: Sampler) -> int:
             "cursor": torch.zeros(bins, dtype=torch.int32),
         }
         meta = {"BLOCK_M": block_m, "BLOCK": block, "NUM_BINS": bins}
-        bufs, ops = _launch(kernel, (1,), sampler.case, tensors, numel, E, margin=bins + block, inputs=("ids",), **meta)
-        counts = count_reference(ids, E).long()
-        padded = (counts + block_m - 1) // block_m * block_m
+        bufs, ops = _launch(kernel, (1,), sampler.case, tensors, numel, E, margin=bins + block, **meta)
+        padded = (count_reference(ids, E).long() + block_m - 1) // block_m * block_m  # each expert's run of rows
         total, blocks = int(padded.sum()), int(padded.sum()) // block_m
         srt, eid, post = bufs["sorted"].cpu(), bufs["expert_ids"].cpu(), bufs["post"].item()
         if ops is not None:
-            _check_memory(sampler.case, ops, inputs=("ids",), shared=())
+            _check_memory(sampler.case, ops)
         if post != total:
             fail(f"{sampler.case}: num_tokens_post_padded {post}, expected {total}")
-        start = 0
-        for e in range(E):
-            run = srt[start : start + int(padded[e])]
-            pairs = sorted(p for p in run.tolist() if p != numel)
+        for e, end in enumerate(padded.cumsum(0).tolist()):
+            start = end - int(padded[e])
+            pairs = sorted(p for p in srt[start:end].tolist() if p != numel)
             want = (ids == e).nonzero().flatten().tolist()
             if pairs != want:
                 fail(
-                    f"{sampler.case}: rows [{start}, {start + int(padded[e])}) of expert {e} hold {len(pairs)} pairs "
+                    f"{sampler.case}: rows [{start}, {end}) of expert {e} hold {len(pairs)} pairs "
                     f"{pairs[:4]}..., expected {len(want)}: {want[:4]}..."
                 )
-            start += int(padded[e])
         want_blocks = torch.repeat_interleave(torch.arange(E), padded // block_m)
         if not torch.equal(eid[:blocks].long(), want_blocks):
             bad = int((eid[:blocks].long() != want_blocks).nonzero()[0])
@@ -274,8 +256,6 @@ def check_align_kernel(kernel, *, sampler: Sampler) -> int:
         if ops is not None:
             rows = (srt[:total] != numel).nonzero().flatten().tolist()
             _check_ran(sampler.case, ops, numel, {"post": [0], "expert_ids": range(blocks), "sorted": rows})
-        cases += 1
-    return cases
 
 
 __all__ = ["BLOCK_MS", "check_align_kernel", "check_histogram_kernel", "check_scan_kernel"]

@@ -17,6 +17,7 @@ import copy
 import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
+from unittest import mock
 
 import numpy as np
 import torch
@@ -43,7 +44,7 @@ class Race:
 class MemoryOps:
     """What interpreted kernels did inside a :func:`watch_memory` block.
 
-    ``lanes[(tensor, kind)][program]`` lists the element indices of each operation's live lanes
+    ``lanes[(tensor, kind)]`` lists ``(program, element indices)`` of each operation's live lanes
     (``kind`` is READ, WRITE or ATOMIC); ``outside[kind]`` counts live lanes whose address lies
     in no watched tensor; ``work[program]`` counts the elements that arithmetic, comparisons,
     selects, casts, dots and histograms produced; ``histogram_misses`` holds values given to
@@ -51,8 +52,7 @@ class MemoryOps:
     names each interpreted kernel launched (a host function that does the work launches none).
     """
 
-    names: tuple[str, ...]
-    lanes: dict = field(default_factory=lambda: defaultdict(lambda: defaultdict(list)))
+    lanes: dict = field(default_factory=lambda: defaultdict(list))
     outside: dict = field(default_factory=lambda: defaultdict(int))
     work: dict = field(default_factory=lambda: defaultdict(int))
     programs: set = field(default_factory=set)
@@ -60,9 +60,7 @@ class MemoryOps:
     launches: list = field(default_factory=list)
 
     def _indices(self, name: str, kinds, program=None) -> np.ndarray:
-        parts = [
-            a for k in kinds for p, arrays in self.lanes[(name, k)].items() if program in (None, p) for a in arrays
-        ]
+        parts = [indices for k in kinds for p, indices in self.lanes[(name, k)] if program in (None, p)]
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
     def reads(self, name: str, program=None) -> int:
@@ -83,14 +81,13 @@ class MemoryOps:
     def races(self, name: str) -> list[Race]:
         """Elements of ``name`` that one program wrote without an atomic while another program
         read, wrote or atomically updated them: on a GPU the programs run at once."""
-        touched, plain = defaultdict(set), set()
+        touched = defaultdict(set)  # element -> the programs that touched it
         for kind in (READ, WRITE, ATOMIC):
-            for p, arrays in self.lanes[(name, kind)].items():
-                for i in np.unique(np.concatenate(arrays)).tolist() if arrays else ():
+            for p, indices in self.lanes[(name, kind)]:
+                for i in np.unique(indices).tolist():
                     touched[i].add(p)
-                    if kind == WRITE:
-                        plain.add(i)
-        return [Race(name, i, tuple(sorted(touched[i]))) for i in sorted(plain) if len(touched[i]) > 1]
+        plain = np.unique(self._indices(name, (WRITE,))).tolist()
+        return [Race(name, i, tuple(sorted(touched[i]))) for i in plain if len(touched[i]) > 1]
 
     @property
     def total_work(self) -> int:
@@ -99,7 +96,7 @@ class MemoryOps:
 
 def _program(builder) -> int:
     x, y, z = builder.grid_idx
-    return x if (y, z) == (0, 0) else x + builder.grid_dim[0] * (y + builder.grid_dim[1] * z)
+    return x + builder.grid_dim[0] * (y + builder.grid_dim[1] * z)
 
 
 @contextlib.contextmanager
@@ -119,12 +116,8 @@ def watch_memory(**tensors: torch.Tensor | None):
         raise RuntimeError("watch_memory needs Triton's interpreter (a CPU run of moekit)")
     from triton.runtime import interpreter
 
-    watched = {
-        n: (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), t.element_size())
-        for n, t in tensors.items()
-        if t is not None and t.numel()
-    }
-    ops = MemoryOps(tuple(tensors))
+    watched = {n: (t.data_ptr(), t.numel(), t.element_size()) for n, t in tensors.items() if t is not None}
+    ops = MemoryOps()
     builder = interpreter.InterpreterBuilder
     state = threading.local()
 
@@ -135,14 +128,12 @@ def watch_memory(**tensors: torch.Tensor | None):
         p = _program(self)
         ops.programs.add(p)
         addr = np.asarray(ptrs.data).astype(np.uint64).ravel()
-        live = np.ones(addr.shape, bool)
-        if mask is not None:
-            live = np.broadcast_to(np.asarray(mask.data, bool), np.shape(ptrs.data)).ravel()
+        live = np.broadcast_to(True if mask is None else np.asarray(mask.data, bool), np.shape(ptrs.data)).ravel()
         inside = np.zeros(addr.shape, bool)
-        for name, (lo, hi, size) in watched.items():
-            hit = live & (addr >= lo) & (addr < hi)
+        for name, (lo, numel, size) in watched.items():
+            hit = live & (addr >= lo) & (addr < lo + numel * size)
             if hit.any():
-                ops.lanes[(name, kind)][p].append(((addr[hit] - lo) // size).astype(np.int64))
+                ops.lanes[(name, kind)].append((p, ((addr[hit] - lo) // size).astype(np.int64)))
             inside |= hit
         stray = int(live.sum() - inside.sum())
         ops.outside[kind] += stray
@@ -195,17 +186,13 @@ def watch_memory(**tensors: torch.Tensor | None):
     }
     for name in ("binary_op", "ternary_op", "unary_op", "cast_impl", "create_dot"):
         patches[name] = counting(getattr(builder, name))
-    with _LOCK:
+    with _LOCK, contextlib.ExitStack() as patched:  # every patch is undone when the block ends
         originals = {name: getattr(builder, name) for name in patches}
-        launch_original, interpreter.GridExecutor.__call__ = interpreter.GridExecutor.__call__, launch
+        launch_original = interpreter.GridExecutor.__call__
+        patched.enter_context(mock.patch.object(interpreter.GridExecutor, "__call__", launch))
         for name, fn in patches.items():
-            setattr(builder, name, fn)
-        try:
-            yield ops
-        finally:
-            interpreter.GridExecutor.__call__ = launch_original
-            for name, fn in originals.items():
-                setattr(builder, name, fn)
+            patched.enter_context(mock.patch.object(builder, name, fn))
+        yield ops
 
 
 def is_triton_kernel(obj) -> bool:
@@ -249,26 +236,11 @@ def is_view_of(view: torch.Tensor, base: torch.Tensor, start: int, end: int) -> 
     """True when ``view`` is rows ``[start, end)`` of ``base`` in place: same storage, offset,
     strides and dtype (an upcast, a ``.contiguous()`` of a strided slice or a clone is a copy)."""
     want = base[start:end]
-    if view.numel() == 0:
-        return view.dtype == base.dtype and tuple(view.shape) == tuple(want.shape)
-    return (
-        shares_memory(view, base)
-        and view.dtype == base.dtype
-        and view.data_ptr() == want.data_ptr()
-        and view.stride() == want.stride()
-        and tuple(view.shape) == tuple(want.shape)
+    if (view.dtype, view.shape) != (base.dtype, want.shape):
+        return False
+    return view.numel() == 0 or (
+        shares_memory(view, base) and (view.data_ptr(), view.stride()) == (want.data_ptr(), want.stride())
     )
 
 
-__all__ = [
-    "ATOMIC",
-    "READ",
-    "WRITE",
-    "MemoryOps",
-    "Race",
-    "is_triton_kernel",
-    "is_view_of",
-    "shares_memory",
-    "watch_inputs",
-    "watch_memory",
-]
+__all__ = ["MemoryOps", "Race", "is_triton_kernel", "is_view_of", "shares_memory", "watch_inputs", "watch_memory"]
