@@ -381,21 +381,3 @@ class SlabPlan(Plan):
     def run(self, experts, call: ExpertsCall) -> str:
         return experts.apply(call)
 
-
-__all__ = [
-    "Batch",
-    "Chunk",
-    "Plan",
-    "RowChunk",
-    "RowPlan",
-    "RowPlanner",
-    "SlabChunk",
-    "SlabPlan",
-    "SlabPlanner",
-    "TokenChunk",
-    "TokenPlan",
-    "TokenPlanner",
-    "chunk_ranges",
-    "slice_scales",
-    "validate_chunk_size",
-]
