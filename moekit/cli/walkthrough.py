@@ -23,8 +23,7 @@ figures). papermill, nbconvert and tqdm are imported inside the functions.
 This module is the command line (:func:`build_parser`, :func:`main`); the parts it calls live in
 :mod:`moekit.cli.notebook_parameters` (what each notebook declares and gets),
 :mod:`moekit.cli.notebook_runs` (one notebook through papermill, the figures, the table and the
-index) and :mod:`moekit.cli.kernel_spec` (the kernel the notebooks run in). Their names are
-re-exported here.
+index) and :mod:`moekit.cli.kernel_spec` (the kernel the notebooks run in).
 """
 
 from __future__ import annotations
@@ -38,20 +37,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
-from moekit.cli.kernel_spec import KERNEL_NAME, kernel_spec_dir, use_moekit_kernel
+from moekit.cli import notebook_runs
+from moekit.cli.kernel_spec import use_moekit_kernel
 from moekit.cli.notebook_parameters import declared_parameters, parameters_for, parse_value, scoped_overrides
-from moekit.cli.notebook_runs import (
-    FIGURE_TAG,
-    Result,
-    claim_run_folder,
-    extract_figures,
-    record_run,
-    run_name,
-    run_one,
-    summary,
-    write_index,
-    write_runs_index,
-)
 
 
 def repo_root() -> Path:
@@ -145,14 +133,16 @@ def main(argv: list[str] | None = None) -> int:
         # Each run has a folder of its own under out_dir/runs/, named by what it ran: another run (other
         # notebooks, other parameters) never replaces it, and out_dir/index.html lists them all.
         given = {n.stem: p for n, p in plans}
-        run_dir = out_dir / "runs" / run_name([n.stem for n in notebooks], given, every=notebooks == every)
-        claim_run_folder(run_dir)
+        run_dir = out_dir / "runs" / notebook_runs.run_name(list(given), given, every=notebooks == every)
+        notebook_runs.claim_run_folder(run_dir)
     except (_Refused, FileExistsError) as error:
         print(f"moekit walkthrough: {error}", file=sys.stderr)
         return 2
-    run = functools.partial(run_one, kernel=use_moekit_kernel(), timeout=args.timeout, html_report=not args.no_html)
+    run = functools.partial(
+        notebook_runs.run_one, kernel=use_moekit_kernel(), timeout=args.timeout, html_report=not args.no_html
+    )
     start = time.perf_counter()
-    results: list[Result | None] = [None] * len(plans)
+    results: list[notebook_runs.Result | None] = [None] * len(plans)
     # Each notebook runs in a kernel process of its own: threads here only wait on them. The
     # table and the index keep the notebooks' order, whichever finishes first.
     with (
@@ -164,10 +154,10 @@ def main(argv: list[str] | None = None) -> int:
             r = results[futures[done]] = done.result()
             bar.update(1)
             bar.set_postfix(last=f"{r.name} {r.status} {r.seconds:.0f}s")
-    index = write_index(results, run_dir, title=f"moekit walkthrough: {run_dir.name}")
-    record_run(run_dir, results)
-    write_runs_index(out_dir)
-    print(summary(results, wall_seconds=time.perf_counter() - start))
+    index = notebook_runs.write_index(results, run_dir, title=f"moekit walkthrough: {run_dir.name}")
+    notebook_runs.record_run(run_dir, results)
+    notebook_runs.write_runs_index(out_dir)
+    print(notebook_runs.summary(results, wall_seconds=time.perf_counter() - start))
     for r in results:
         if r.error:
             print(f"{r.name}: {r.error}", file=sys.stderr)
@@ -182,26 +172,6 @@ def main(argv: list[str] | None = None) -> int:
             shutil.copy2(png, docs / png.name)
         print(f"figures copied to {docs}")
     return 0 if ok else 1
-
-
-__all__ = [
-    "FIGURE_TAG",
-    "KERNEL_NAME",
-    "Result",
-    "build_parser",
-    "declared_parameters",
-    "extract_figures",
-    "kernel_spec_dir",
-    "main",
-    "parameters_for",
-    "parse_value",
-    "repo_root",
-    "run_one",
-    "scoped_overrides",
-    "summary",
-    "use_moekit_kernel",
-    "write_index",
-]
 
 
 if __name__ == "__main__":

@@ -115,23 +115,6 @@ def to_fp8_experts(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def dequantized_copy_weights(fp8_model: torch.nn.Module, model: torch.nn.Module) -> torch.nn.Module:
-    """Write the dequantized weights of ``fp8_model``'s FP8Experts into the matching experts of
-    ``model`` (same architecture, unquantized): the same fp8-rounded values in ``model``'s dtype,
-    the oracle a test or a notebook compares moekit's fp8 path with. Returns ``model``."""
-    from moekit.quant import dequantize_fp8_block
-
-    modules = dict(model.named_modules())
-    with torch.no_grad():
-        for name, m in fp8_model.named_modules():
-            if is_fp8_experts(m):
-                target = modules[name]
-                for proj in ("gate_up_proj", "down_proj"):
-                    w = dequantize_fp8_block(getattr(m, proj), getattr(m, f"{proj}_scale_inv"))
-                    getattr(target, proj).copy_(w.to(getattr(target, proj).dtype))
-    return model
-
-
 def fp8_reference_forward(module, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
     """An FP8Experts forward in fp32 torch that rounds what moekit's fp8 path rounds: the
     activations quantized per token in 1 x 128 groups, the dequantized block weights, and the

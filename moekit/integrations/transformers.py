@@ -39,18 +39,8 @@ from moekit.device import check_import_order
 from moekit.errors import InvalidInputError, OptionalDependencyError, UnsupportedModelError
 from moekit.experts.base import Experts
 from moekit.integrations.hf_checks import check_module, check_routing_ids, is_experts
-from moekit.integrations.hf_fp8 import check_fp8_module, is_fp8_experts, to_fp8_experts
+from moekit.integrations.hf_fp8 import check_fp8_module, is_fp8_experts
 from moekit.workspace import PoolRegistry
-
-__all__ = [
-    "check_fp8_module",
-    "check_model",
-    "check_module",
-    "moekit_routing",
-    "register",
-    "to_fp8_experts",
-    "traces",
-]
 
 NAME = "moekit"
 INSTALL_HINT = "pip install 'moekit[hf]'"

@@ -18,50 +18,42 @@ The numbers behind the plots (:func:`chunk_counts`, :func:`weight_bytes_read`) a
 and are tested against the count kernel and the trace.
 """
 
-from moekit.viz._figure import axes_or_new, new_axes
-from moekit.viz.chunks import (
-    chunk_counts,
-    expert_weight_bytes,
-    plot_counts_heatmap,
-    plot_counts_vs_whole,
-    plot_stacked_chunks,
-    plot_tokens_per_expert,
-    plot_weight_bytes,
-    plot_workspace_bytes,
-    weight_bytes_read,
-)
-from moekit.viz.flow import plot_data_flow
-from moekit.viz.rows import (
-    chunks_per_expert,
-    expert_segments,
-    plot_chunks_per_expert,
-    plot_sorted_rows,
-    plot_weight_bytes_per_chunk,
-    row_chunk_counts,
-)
-from moekit.viz.tables import Table, plot_table, shape_rows, table
+import importlib
 
-__all__ = [
-    "Table",
-    "axes_or_new",
-    "chunk_counts",
-    "chunks_per_expert",
-    "expert_segments",
-    "expert_weight_bytes",
-    "new_axes",
-    "plot_chunks_per_expert",
-    "plot_counts_heatmap",
-    "plot_counts_vs_whole",
-    "plot_data_flow",
-    "plot_sorted_rows",
-    "plot_stacked_chunks",
-    "plot_table",
-    "plot_tokens_per_expert",
-    "plot_weight_bytes",
-    "plot_weight_bytes_per_chunk",
-    "plot_workspace_bytes",
-    "row_chunk_counts",
-    "shape_rows",
-    "table",
-    "weight_bytes_read",
-]
+# Every public name, and the module that defines it, imported on first use (as `moekit`'s own
+# table does): `moekit.viz.X` and `from moekit.viz import X` both work.
+_LAZY = {
+    "axes_or_new": "moekit.viz._figure",
+    "new_axes": "moekit.viz._figure",
+    "chunk_counts": "moekit.viz.chunks",
+    "expert_weight_bytes": "moekit.viz.chunks",
+    "plot_counts_heatmap": "moekit.viz.chunks",
+    "plot_counts_vs_whole": "moekit.viz.chunks",
+    "plot_stacked_chunks": "moekit.viz.chunks",
+    "plot_tokens_per_expert": "moekit.viz.chunks",
+    "plot_weight_bytes": "moekit.viz.chunks",
+    "plot_workspace_bytes": "moekit.viz.chunks",
+    "weight_bytes_read": "moekit.viz.chunks",
+    "plot_data_flow": "moekit.viz.flow",
+    "chunks_per_expert": "moekit.viz.rows",
+    "expert_segments": "moekit.viz.rows",
+    "plot_chunks_per_expert": "moekit.viz.rows",
+    "plot_sorted_rows": "moekit.viz.rows",
+    "plot_weight_bytes_per_chunk": "moekit.viz.rows",
+    "row_chunk_counts": "moekit.viz.rows",
+    "Table": "moekit.viz.tables",
+    "plot_table": "moekit.viz.tables",
+    "shape_rows": "moekit.viz.tables",
+    "table": "moekit.viz.tables",
+}
+
+
+def __getattr__(name):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'moekit.viz' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = [*_LAZY]

@@ -9,7 +9,6 @@ import torch
 
 from moekit.viz._figure import axes_or_new
 
-
 FOLD_ITEMS = 12  # a list or tuple cell longer than this shows its ends and its length
 
 

@@ -97,11 +97,9 @@ def explorer_view(params: ExplorerParams) -> ExplorerView:
     emap = routing.contiguous_expert_map(p.E, p.ep_size, 0) if p.ep_size > 1 else None
     per_expert = viz.expert_weight_bytes(p.N, p.K)
     sizes = [c for c in CHUNK_SIZES if c < p.M] + [p.M]
-    swept = [
-        viz.weight_bytes_read(viz.chunk_counts(r.topk_ids, c, E_local, expert_map=emap), per_expert) for c in sizes
-    ]
-    counts = viz.chunk_counts(r.topk_ids, p.C, E_local, expert_map=emap)
-    return ExplorerView(p, counts, sizes, swept, per_expert)
+    counts_at = lambda C: viz.chunk_counts(r.topk_ids, C, E_local, expert_map=emap)  # [num_chunks, E_local]
+    swept = [viz.weight_bytes_read(counts_at(c), per_expert) for c in sizes]
+    return ExplorerView(p, counts_at(p.C), sizes, swept, per_expert)
 
 
 def draw(view: ExplorerView):

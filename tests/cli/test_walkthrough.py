@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from moekit.cli import kernel_spec, notebook_parameters, notebook_runs, walkthrough
+from moekit.cli import notebook_runs, walkthrough
 
 
 @pytest.mark.notebooks
@@ -82,17 +82,6 @@ def test_jobs_must_be_a_positive_count(capsys):
         walkthrough.build_parser().parse_args(["--jobs", "0"])
     assert "expected a whole number >= 1, got 0" in capsys.readouterr().err
     assert walkthrough.build_parser().parse_args(["--jobs", "3"]).jobs == 3
-
-
-def test_the_parts_are_reexported_as_they_are():
-    # moekit.cli.walkthrough.X still names what moved out of this module, and main calls them
-    # through these names. The kernelspec's state (_SPEC_ROOT, _MADE) lives in kernel_spec only.
-    parts = (kernel_spec, notebook_parameters, notebook_runs)
-    moved = {name: module for module in parts for name in vars(module) if name in walkthrough.__all__}
-    assert set(walkthrough.__all__) - set(moved) == {"build_parser", "main", "repo_root"}
-    for name, module in moved.items():
-        assert getattr(walkthrough, name) is getattr(module, name), name
-    assert not hasattr(walkthrough, "_SPEC_ROOT") and not hasattr(walkthrough, "_MADE")
 
 
 def test_the_checkout_is_found_from_any_folder(tmp_path, monkeypatch):

@@ -20,12 +20,11 @@ import moekit.integrations.transformers as moekit_hf  # noqa: E402
 from moekit.errors import UnsupportedModelError  # noqa: E402
 from moekit.integrations.hf_fp8 import (  # noqa: E402
     check_fp8_module,
-    dequantized_copy_weights,
     is_fp8_experts,
     register_fp8_reference,
     to_fp8_experts,
 )
-from moekit.quant import FP8, FP8_GROUP  # noqa: E402
+from moekit.quant import FP8, FP8_GROUP, dequantize_fp8_block  # noqa: E402
 from moekit.testing import NORM_TOLERANCE, assert_close, expect_raises  # noqa: E402
 
 pytestmark = pytest.mark.hf
@@ -53,13 +52,28 @@ def _norm_error(got, want) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm())
 
 
+def _dequantized_copy_weights(fp8_model: torch.nn.Module, model: torch.nn.Module) -> torch.nn.Module:
+    """Write the dequantized weights of ``fp8_model``'s FP8Experts into the matching experts of
+    ``model`` (same architecture, unquantized): the same fp8-rounded values in ``model``'s dtype.
+    Returns ``model``."""
+    modules = dict(model.named_modules())
+    with torch.no_grad():
+        for name, m in fp8_model.named_modules():
+            if is_fp8_experts(m):
+                target = modules[name]
+                for proj in ("gate_up_proj", "down_proj"):
+                    w = dequantize_fp8_block(getattr(m, proj), getattr(m, f"{proj}_scale_inv"))
+                    getattr(target, proj).copy_(w.to(getattr(target, proj).dtype))
+    return model
+
+
 def test_to_fp8_experts_builds_transformers_fp8_modules(models):
     base, fp8 = models
     experts = [m for m in fp8.modules() if is_fp8_experts(m)]
     assert len(experts) == 2 and all(m.gate_up_proj.dtype == FP8 for m in experts)
     assert moekit_hf.check_model(fp8) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
     # The dequantized copy holds the same fp8-rounded values.
-    ref = dequantized_copy_weights(fp8, copy.deepcopy(base))
+    ref = _dequantized_copy_weights(fp8, copy.deepcopy(base))
     w = ref.model.layers[0].mlp.experts.gate_up_proj
     assert not torch.equal(w, base.model.layers[0].mlp.experts.gate_up_proj)
     assert_close(w, base.model.layers[0].mlp.experts.gate_up_proj, dtype=FP8)
