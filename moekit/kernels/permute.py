@@ -89,18 +89,33 @@ def alloc_layout(num_rows: int, K: int, num_pairs: int, num_experts: int, *, dev
 
 
 @triton.jit
-def _copy_rows(src_ptr, src_strides, src_rows, dst_ptr, dst_strides, dst_rows, load_ok, store_ok, width, BLOCK):
-    """``dst[dst_rows[i], :width] = src[src_rows[i], :width]`` where ``store_ok``, zeros where not
-    ``load_ok``; ``*_strides`` are each 2-D tensor's (row, column) strides. Every kernel of this file
-    moves its rows with it."""
-    cols = tl.arange(0, BLOCK)
-    for c0 in range(0, width, BLOCK):
-        c = c0 + cols
-        col_ok = c < width
-        src = src_ptr + src_rows[:, None] * src_strides[0] + c[None, :] * src_strides[1]
-        x = tl.load(src, mask=load_ok[:, None] & col_ok[None, :], other=0.0)
-        dst = dst_ptr + dst_rows[:, None] * dst_strides[0] + c[None, :] * dst_strides[1]
-        tl.store(dst, x.to(dst_ptr.dtype.element_ty), mask=store_ok[:, None] & col_ok[None, :])
+def _copy_rows(srcs, src_strides, src_rows, dsts, dst_strides, dst_rows, load_ok, store_ok, widths, BLOCKS):
+    """For each tensor pair ``t``: ``dsts[t][dst_rows[i], :widths[t]] = srcs[t][src_rows[i], :widths[t]]``
+    where ``store_ok``, zeros where not ``load_ok``; ``*_strides[t]`` are each 2-D tensor's (row, column)
+    strides, ``BLOCKS[t]`` its column block. Every kernel of this file moves its rows with it."""
+    for t in tl.static_range(len(srcs)):
+        cols = tl.arange(0, BLOCKS[t])
+        for c0 in range(0, widths[t], BLOCKS[t]):
+            c = c0 + cols
+            col_ok = c < widths[t]
+            src = srcs[t] + src_rows[:, None] * src_strides[t][0] + c[None, :] * src_strides[t][1]
+            x = tl.load(src, mask=load_ok[:, None] & col_ok[None, :], other=0.0)
+            dst = dsts[t] + dst_rows[:, None] * dst_strides[t][0] + c[None, :] * dst_strides[t][1]
+            tl.store(dst, x.to(dsts[t].dtype.element_ty), mask=store_ok[:, None] & col_ok[None, :])
+
+
+def _copy_args(srcs: tuple[torch.Tensor, ...], dsts: tuple[torch.Tensor, ...]) -> dict:
+    """The kernel arguments that describe tensor pairs whose rows move together (see :func:`_copy_rows`):
+    each destination's width is the columns moved."""
+    widths = tuple([dst.shape[1] for dst in dsts])  # (list comprehensions: a launch's host time counts)
+    return dict(
+        srcs=srcs,
+        dsts=dsts,
+        widths=widths,
+        src_strides=tuple([src.stride() for src in srcs]),
+        dst_strides=tuple([dst.stride() for dst in dsts]),
+        BLOCKS=tuple([min(next_power_of_2(w), 1024) for w in widths]),
+    )
 
 
 @triton.jit
@@ -132,33 +147,27 @@ def _expert_offsets_kernel(
 
 @triton.jit
 def _scatter_rows_kernel(
-    # Pointers
-    a1q_ptr,
-    a1q_scale_ptr,
+    # Pointers (srcs: a1q and a1q_scale, dsts: the layout's a and a_scale; see _copy_rows)
+    srcs,
+    dsts,
     topk_ids_ptr,
     expert_map_ptr,
-    a_ptr,
-    a_scale_ptr,
     inv_perm_ptr,
     expert_start_ptr,
     cursor_ptr,
     flags_ptr,
-    # Sizes (each strides argument is one 2-D tensor's (row, column) strides)
-    K,
-    G,
+    # Sizes (widths: K and G; each strides tuple holds one (row, column) pair per tensor)
+    widths,
     topk,
     num_experts,
     num_global,
     num_rows,
-    a1q_strides,
-    a1q_scale_strides,
-    a_strides,
-    a_scale_strides,
+    src_strides,
+    dst_strides,
     # Meta-parameters
     HAS_MAP: tl.constexpr,
     TOPK: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_G: tl.constexpr,
+    BLOCKS: tl.constexpr,
 ):
     m = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, TOPK)
@@ -183,8 +192,7 @@ def _scatter_rows_kernel(
     # Every slot of token m copies the token's row (and scales) to its own row of the layout.
     dest64 = dest.to(tl.int64)
     token = tl.zeros_like(dest64) + m
-    _copy_rows(a1q_ptr, a1q_strides, token, a_ptr, a_strides, dest64, ok, ok, K, BLOCK_K)
-    _copy_rows(a1q_scale_ptr, a1q_scale_strides, token, a_scale_ptr, a_scale_strides, dest64, ok, ok, G, BLOCK_G)
+    _copy_rows(srcs, src_strides, token, dsts, dst_strides, dest64, ok, ok, widths, BLOCKS)
 
 
 @triton.jit
@@ -290,9 +298,8 @@ def permute_to_contiguous(
 
 def launch_permute(a1q, a1q_scale, topk_ids, counts, layout: ContiguousLayout, *, expert_map=None) -> ContiguousLayout:
     """:func:`permute_to_contiguous` without its checks, into ``layout``'s buffers (for the experts)."""
-    M, K = a1q.shape
+    M = a1q.shape[0]
     topk, E, num_rows = topk_ids.shape[1], counts.numel(), layout.a.shape[0]
-    G = layout.a_scale.shape[1]
     BLOCK_E = next_power_of_2(E)
     _expert_offsets_kernel[(1,)](
         counts, layout.expert_start, layout.cursor, layout.flags, E, num_rows, ALIGN_M=ALIGN_M, BLOCK_E=BLOCK_E
@@ -300,30 +307,19 @@ def launch_permute(a1q, a1q_scale, topk_ids, counts, layout: ContiguousLayout, *
     if M > 0:
         emap = expert_map if expert_map is not None else topk_ids  # a dummy pointer when unused
         _scatter_rows_kernel[(M,)](
-            a1q,
-            a1q_scale,
-            topk_ids,
-            emap,
-            layout.a,
-            layout.a_scale,
-            layout.inv_perm,
-            layout.expert_start,
-            layout.cursor,
-            layout.flags,
-            K,
-            G,
-            topk,
-            E,
-            emap.numel() if expert_map is not None else E,
-            num_rows,
-            a1q.stride(),
-            a1q_scale.stride(),
-            layout.a.stride(),
-            layout.a_scale.stride(),
+            topk_ids_ptr=topk_ids,
+            expert_map_ptr=emap,
+            inv_perm_ptr=layout.inv_perm,
+            expert_start_ptr=layout.expert_start,
+            cursor_ptr=layout.cursor,
+            flags_ptr=layout.flags,
+            topk=topk,
+            num_experts=E,
+            num_global=emap.numel() if expert_map is not None else E,
+            num_rows=num_rows,
             HAS_MAP=expert_map is not None,
             TOPK=next_power_of_2(topk),
-            BLOCK_K=min(next_power_of_2(K), 1024),
-            BLOCK_G=next_power_of_2(G),
+            **_copy_args((a1q, a1q_scale), (layout.a, layout.a_scale)),
         )
     if num_rows > 0:
         _block_experts_kernel[(num_rows // ALIGN_M,)](
@@ -342,24 +338,56 @@ def launch_permute(a1q, a1q_scale, topk_ids, counts, layout: ContiguousLayout, *
 
 
 @triton.jit
-def _gather_rows_kernel(
-    # Pointers
-    rows_ptr,
-    inv_perm_ptr,
-    out_ptr,
-    # Sizes
-    num_pairs,
-    K,
-    rows_strides,
-    out_strides,
+def _move_rows_kernel(
+    # Pointers (srcs, dsts: tensors whose rows move together; see _copy_rows)
+    srcs,
+    dsts,
+    index_ptr,
+    expert_ids_ptr,
+    # Sizes (widths: the columns moved per tensor; each strides tuple holds one (row, column) pair per tensor)
+    num_rows,
+    limit,
+    divisor,
+    widths,
+    src_strides,
+    dst_strides,
     # Meta-parameters
-    BLOCK_P: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    SCATTER: tl.constexpr,
+    EXPERT_BLOCK: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCKS: tl.constexpr,
 ):
-    p = tl.program_id(0).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
-    pmask = p < num_pairs
-    row = tl.load(inv_perm_ptr + p, mask=pmask, other=-1).to(tl.int64)
-    _copy_rows(rows_ptr, rows_strides, row, out_ptr, out_strides, p, row >= 0, pmask, K, BLOCK_K)
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r < num_rows
+    idx = tl.load(index_ptr + r, mask=r_ok, other=-1)
+    live = (idx >= 0) & (idx < limit)  # -1 (no row, or past the index) and ``limit`` (padding) are dead
+    if SCATTER:  # dst[idx[r]] = src[r]: zeros for blocks of expert -1 (another rank's), dead rows skipped
+        local = tl.load(expert_ids_ptr + r // EXPERT_BLOCK, mask=r_ok, other=-1) >= 0
+        _copy_rows(srcs, src_strides, r, dsts, dst_strides, idx.to(tl.int64), live & local, live, widths, BLOCKS)
+    else:  # dst[r] = src[idx[r] // divisor]: zeros for dead rows
+        src_rows = (idx // divisor).to(tl.int64)  # divided in int32: cheaper than int64
+        _copy_rows(srcs, src_strides, src_rows, dsts, dst_strides, r, live, r_ok, widths, BLOCKS)
+
+
+def _move_rows(srcs, dsts, index: torch.Tensor, *, limit: int, divisor: int = 1, expert_ids=None, expert_block=1):
+    """One launch of :func:`_move_rows_kernel` over the rows of ``index`` (int32): the gather
+    ``dst[r] = src[index[r] // divisor]``, or with ``expert_ids`` the scatter ``dst[index[r]] = src[r]``
+    (zeros from blocks of ``expert_block`` rows whose expert id is -1). Indices outside ``[0, limit)``
+    are dead: a gather writes zeros for them, a scatter skips them."""
+    if index.numel() == 0:
+        return
+    BLOCK_R = 8
+    _move_rows_kernel[(cdiv(index.numel(), BLOCK_R),)](
+        index_ptr=index,
+        expert_ids_ptr=expert_ids if expert_ids is not None else index,  # a dummy pointer when unused
+        num_rows=index.numel(),
+        limit=limit,
+        divisor=divisor,
+        SCATTER=expert_ids is not None,
+        EXPERT_BLOCK=expert_block,
+        BLOCK_R=BLOCK_R,
+        **_copy_args(srcs, dsts),
+    )
 
 
 def unpermute_from_contiguous(rows: torch.Tensor, inv_perm: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
@@ -396,53 +424,8 @@ def unpermute_from_contiguous(rows: torch.Tensor, inv_perm: torch.Tensor, *, out
             f"inv_perm must have one entry per output row ({pairs}) and rows >= {K} columns, got "
             f"{inv_perm.numel()} and {rows.shape[1]}"
         )
-    flat = out.view(-1, K)
-    if pairs > 0:
-        BLOCK_P = 8
-        _gather_rows_kernel[(cdiv(pairs, BLOCK_P),)](
-            rows,
-            inv_perm,
-            flat,
-            pairs,
-            K,
-            rows.stride(),
-            flat.stride(),
-            BLOCK_P=BLOCK_P,
-            BLOCK_K=min(next_power_of_2(K), 1024),
-        )
+    _move_rows((rows,), (out.view(-1, K),), inv_perm, limit=rows.shape[0])
     return out
-
-
-@triton.jit
-def _gather_positions_kernel(
-    # Pointers
-    a1q_ptr,
-    a1q_scale_ptr,
-    sorted_ptr,
-    a_ptr,
-    a_scale_ptr,
-    # Sizes (each strides argument is one 2-D tensor's (row, column) strides)
-    rows,
-    numel,
-    topk,
-    K,
-    G,
-    a1q_strides,
-    a1q_scale_strides,
-    a_strides,
-    a_scale_strides,
-    # Meta-parameters
-    BLOCK_R: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-):
-    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = r < rows
-    pair = tl.load(sorted_ptr + r, mask=rmask, other=numel)
-    live = pair < numel  # padding rows become zeros (with zero scales)
-    token = tl.where(live, pair // topk, 0).to(tl.int64)
-    _copy_rows(a1q_ptr, a1q_strides, token, a_ptr, a_strides, r, live, rmask, K, BLOCK_K)
-    _copy_rows(a1q_scale_ptr, a1q_scale_strides, token, a_scale_ptr, a_scale_strides, r, live, rmask, G, BLOCK_G)
 
 
 def gather_positions(
@@ -468,56 +451,7 @@ def gather_positions(
         out: fp8 ``[rows, K]`` (unit column stride); out_scale: fp32 ``[rows, K/128]`` (any strides,
             column-major for deep_gemm).
     """
-    rows, K = out.shape
-    G = out_scale.shape[1]
-    if rows == 0:
-        return
-    BLOCK_R = 8
-    _gather_positions_kernel[(cdiv(rows, BLOCK_R),)](
-        a1q,
-        a1q_scale,
-        sorted_ids,
-        out,
-        out_scale,
-        rows,
-        numel,
-        topk,
-        K,
-        G,
-        a1q.stride(),
-        a1q_scale.stride(),
-        out.stride(),
-        out_scale.stride(),
-        BLOCK_R=BLOCK_R,
-        BLOCK_K=min(next_power_of_2(K), 1024),
-        BLOCK_G=next_power_of_2(G),
-    )
-
-
-@triton.jit
-def _scatter_positions_kernel(
-    # Pointers
-    rows_ptr,
-    sorted_ptr,
-    expert_ids_ptr,
-    out_ptr,
-    # Sizes
-    rows,
-    numel,
-    K,
-    rows_strides,
-    out_strides,
-    # Meta-parameters
-    EXPERT_BLOCK: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = r < rows
-    pair = tl.load(sorted_ptr + r, mask=rmask, other=numel)
-    live = rmask & (pair < numel)
-    local = tl.load(expert_ids_ptr + r // EXPERT_BLOCK, mask=rmask, other=-1) >= 0  # -1: another rank's
-    _copy_rows(rows_ptr, rows_strides, r, out_ptr, out_strides, pair.to(tl.int64), live & local, live, K, BLOCK_K)
+    _move_rows((a1q, a1q_scale), (out, out_scale), sorted_ids, limit=numel, divisor=topk)
 
 
 def scatter_positions(
@@ -537,23 +471,6 @@ def scatter_positions(
         sorted_ids: int32 ``[R]`` pair per row; expert_ids: int32, one per ``expert_block`` rows.
         out: the whole-batch output, ``numel`` rows of ``K`` (``[M, topk, K]``), written in place.
     """
-    K = out.shape[-1]
-    flat = out.view(-1, K)
-    R = sorted_ids.numel()
-    if R:
-        BLOCK_R = 8
-        _scatter_positions_kernel[(cdiv(R, BLOCK_R),)](
-            rows,
-            sorted_ids,
-            expert_ids,
-            flat,
-            R,
-            numel,
-            K,
-            rows.stride(),
-            flat.stride(),
-            EXPERT_BLOCK=expert_block,
-            BLOCK_R=BLOCK_R,
-            BLOCK_K=min(next_power_of_2(K), 1024),
-        )
+    flat = out.view(-1, out.shape[-1])
+    _move_rows((rows,), (flat,), sorted_ids, limit=numel, expert_ids=expert_ids, expert_block=expert_block)
     return out
