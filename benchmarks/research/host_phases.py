@@ -50,6 +50,7 @@ def main(argv=None) -> int:
     ap.add_argument("--trace-counts", type=int, default=1)
     args = ap.parse_args(argv)
     import moekit.hopper.experts as T
+    import moekit.hopper.pair_blocks as PB
     import moekit.modular_kernel as MK
     import moekit.plan as P
     import moekit.prepare_finalize.no_ep as NE
@@ -76,7 +77,7 @@ def main(argv=None) -> int:
                                (P.TokenPlan, "call", "call"), (TR.Trace, "add", "trace.add"),
                                (T.HopperTritonExperts, "apply", "apply"), (T, "launch_align", "  align"),
                                (T, "fused_moe_gemm", "  gemm x2"), (T, "run_lean", "  lean relaunch"),
-                               (T, "launch_stream", "  stream"), (T, "launch_pair_blocks", "  pair blocks"),
+                               (T, "launch_stream", "  stream"), (PB, "pair_blocks", "  pair blocks"),
                                (NE.NoEPPrepareFinalize, "finalize", "finalize"),
                                (MK.ModularKernel, "_experts_pass", "experts pass"),
                                (W.WorkspacePool, "follow", "pool.follow")):  # fmt: skip

@@ -140,20 +140,9 @@ class _Path:
     """Which path one size takes, and what its launches need beyond the book's shape."""
 
     book: AlignShape  # sizes and offsets, as the book's launch_align computes them
-    small: bool
-    medium: bool
-    tile: int  # pairs per program: the small kernel's power of two of numel, else TILE
     spec: tuple  # everything of these sizes that selects a compiled variant (the launch keys)
-    one_launch: dict  # the one-launch kernel's constexprs and warps, beyond the flags of the ids
-
-
-def _small_warps(num_bins: int, tile: int) -> int:
-    """Warps of the one-program kernel. On the H200 (E=128, graphs of the kernel alone, µs for 1/2/4/8
-    warps, benchmarks/results/checks/align-small-warps-*): a 64-pair tile 6.2/3.5/4.9/4.9, a 128-pair
-    tile 13.6/7.2/4.7/15.1, 8-32 pairs best or level at 4; reproduced in a second round."""
-    if num_bins > 256:
-        return 8
-    return 2 if tile == 64 else 4
+    programs: int  # of the one launch: 1 (small), numel / TILE (medium), or 0: the book's three launches
+    consts: dict  # constexprs beyond the ids' flags: the one-launch kernel's (with warps), or the scatter's
 
 
 @functools.lru_cache(maxsize=4096)
@@ -161,14 +150,19 @@ def _path_of(numel: int, E: int, num_local: int, block_m: int, small_max: int, m
     sh = align_shape(numel, E, num_local, block_m)
     small = numel <= min(small_max, TILE)
     medium = not small and numel <= medium_max
-    tile = max(16, triton.next_power_of_2(numel)) if small else TILE
-    warps = _small_warps(sh.num_bins, tile) if small else 4 if sh.num_bins <= 256 else 8
+    tile = max(16, triton.next_power_of_2(numel)) if small else TILE  # pairs per program
+    # Warps of the one-launch kernel. The one-program kernel on the H200 (E=128, graphs of the kernel alone,
+    # µs for 1/2/4/8 warps, benchmarks/results/checks/align-small-warps-*): a 64-pair tile 6.2/3.5/4.9/4.9,
+    # a 128-pair tile 13.6/7.2/4.7/15.1, 8-32 pairs best or level at 4; reproduced in a second round.
+    warps = 8 if sh.num_bins > 256 else 2 if small and tile == 64 else 4
     # The constexprs that follow from the sizes, and how Triton specializes the specialized ints (the
     # others, do_not_specialize, only by their width: max_padded bounds numel and max_blocks).
     spec = (small, medium, block_m, tile, warps, sh.num_bins, sh.owned, sh.scan_block, sh.max_padded >= 2**31)
     spec += tuple(int_spec(v) for v in (E, num_local, sh.expert_off, sh.post_off, sh.counts_off, sh.totals_off))
-    consts = dict(BLOCK_M=block_m, TILE=tile, PAD_W=max(16, block_m), FILL=FILL_STEP, OWNED=sh.owned, CHUNK=_CHUNK)
-    return _Path(sh, small, medium, tile, spec, dict(consts, ONE_PROGRAM=small, num_warps=warps))
+    consts = dict(BLOCK_M=block_m, TILE=tile, PAD_W=max(16, block_m), FILL=FILL_STEP, OWNED=sh.owned)
+    if not (small or medium):
+        return _Path(sh, spec, 0, consts)
+    return _Path(sh, spec, 1 if small else sh.num_tiles, dict(consts, CHUNK=_CHUNK, ONE_PROGRAM=small, num_warps=warps))
 
 
 _ONE_LAUNCH = LeanLauncher(_align_one_launch_kernel, pdl=True)
@@ -206,11 +200,10 @@ def launch_align(
     map_spec = None if not has_map else (expert_map.dtype, expert_map.data_ptr() % 16 == 0)
     key = (path.spec, keep_empty, topk_ids.dtype, topk_ids.data_ptr() % 16 == 0, map_spec)
     ptrs = (topk_ids, expert_map, buf)
-    pad_w = max(16, block_m)
-    if path.small or path.medium:  # one launch: of one program, or of numel / TILE
+    consts = lambda: dict(flags, **path.consts)
+    if path.programs:  # one launch: of one program, or of numel / TILE
         args = (*ptrs, *dims, sh.max_padded, sh.max_blocks, sh.expert_off, sh.post_off)
-        consts = lambda: dict(flags, **path.one_launch)
-        _ONE_LAUNCH((1 if path.small else sh.num_tiles,), args, key=key, stream=stream, constexprs=consts)
+        _ONE_LAUNCH((path.programs,), args, key=key, stream=stream, constexprs=consts)
         return out
     grid = (sh.num_tiles,)
     offsets = (sh.expert_off, sh.post_off, sh.counts_off, sh.totals_off)
@@ -219,7 +212,6 @@ def launch_align(
     args = (buf, sh.num_tiles, sh.counts_off, sh.totals_off)
     _SCAN((E + 1,), args, key=key, stream=stream, constexprs=lambda: dict(BLOCK=sh.scan_block, num_warps=4))
     args = (*ptrs, *dims, sh.num_tiles, sh.max_padded, sh.max_blocks, *offsets)
-    consts = lambda: dict(flags, BLOCK_M=block_m, TILE=TILE, OWNED=sh.owned, PAD_W=pad_w, FILL=FILL_STEP)
     _SCATTER(grid, args, key=key, stream=stream, constexprs=consts)
     return out
 

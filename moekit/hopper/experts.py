@@ -39,7 +39,7 @@ from moekit.hopper.configs import KernelConfig, get_config
 from moekit.hopper.gemm_args import GatedOutput
 from moekit.hopper.grouped_gemm import fused_moe_gemm
 from moekit.hopper.launch import launch_stream, run_lean
-from moekit.hopper.pair_blocks import PairBlocks, launch_pair_blocks
+from moekit.hopper.pair_blocks import PairBlocks
 from moekit.kernels.align import AlignedBlocks
 from moekit.kernels.count import count_launch
 from moekit.quant import FP8, FP8_GROUP
@@ -140,8 +140,7 @@ class HopperTritonExperts(TritonExperts):
         ``fuse_activation`` silu_and_mul (and the fp8 requantization) run in GEMM1's epilogue."""
         p, w = call.problem, call.weights
         R, H = call.shapes.workspace2[0], p.N // 2
-        cfg1, cfg2 = tiles
-        stream = launch_stream(call.hidden.device)
+        lean = dict(stream=launch_stream(call.hidden.device), check=False)  # the door checked the forward
         out1, gated = ws13, None
         if self.fuse_activation and call.hidden.dtype == FP8:
             # fp8 [R, H] values, then fp32 [R, H/128] scales, in workspace13's bf16 bytes
@@ -153,16 +152,12 @@ class HopperTritonExperts(TritonExperts):
             gated = GatedOutput(out_scale=act_scale, static_scale=static, static_div=div)
         elif self.fuse_activation:
             act, act_scale, gated = carve(ws13, (R, H)), None, GatedOutput()
-        args1 = dict(a_scale=call.hidden_scale, w_scale=w.w1_scale, gated=gated, chunk=windows[0])
-        fused_moe_gemm(
-            call.hidden, w.w1, out1, blocks[0], pairs_per_row=p.topk, config=cfg1, **args1, stream=stream, check=False
-        )
+        args1 = dict(a_scale=call.hidden_scale, w_scale=w.w1_scale, gated=gated, chunk=windows[0], **lean)
+        fused_moe_gemm(call.hidden, w.w1, out1, blocks[0], pairs_per_row=p.topk, config=tiles[0], **args1)
         if not self.fuse_activation:
             act, act_scale = self.activation(call, carve(ws13, (R, p.N)), ws2)  # the book's step
-        args2 = dict(a_scale=act_scale, w_scale=w.w2_scale, chunk=windows[1])
-        fused_moe_gemm(
-            act, w.w2, call.output, blocks[1], pairs_per_row=1, config=cfg2, **args2, stream=stream, check=False
-        )
+        args2 = dict(a_scale=act_scale, w_scale=w.w2_scale, chunk=windows[1], **lean)
+        fused_moe_gemm(act, w.w2, call.output, blocks[1], pairs_per_row=1, config=tiles[1], **args2)
 
     def count_tokens(self, topk_ids: torch.Tensor, placement: ExpertPlacement) -> torch.Tensor:
         """The book's count kernel, launched lean (:func:`moekit.hopper.launch.run_lean`)."""
@@ -183,7 +178,7 @@ class HopperTritonExperts(TritonExperts):
         placement = call.placement
         args = (call.topk_ids, block_m, placement.global_num_experts, placement.expert_map)
         if pairs:
-            return launch_pair_blocks(*args, num_local_experts=placement.num_local_experts)
+            return pair_blocks.pair_blocks(*args, num_local_experts=placement.num_local_experts, check=False)
         # keep_empty: empty slots get zero rows too, so every element of the output is written.
         return launch_align(*args, num_local_experts=placement.num_local_experts, keep_empty=True, stream=stream)
 

@@ -59,8 +59,7 @@ def check_gemm_args(a, w, out, blocks, pairs_per_row, config, a_scale, w_scale, 
     fp8 = check_book_args(
         a, w, out, blocks, pairs_per_row, config, a_scale, w_scale, chunk, width=width, fp8_out=gated is not None
     )
-    if gated and out.dtype == FP8:
-        width = N // 2
+    if gated and out.dtype == FP8:  # (width is N // 2)
         if width % FP8_GROUP or config.BLOCK_N != FP8_GROUP:
             raise QuantizationError(
                 f"fp8 output needs N/2 % 128 == 0 and BLOCK_N == 128, got {width}, {config.BLOCK_N}"

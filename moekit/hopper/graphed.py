@@ -44,7 +44,7 @@ import torch
 from moekit.device import interpreting
 from moekit.errors import InvalidInputError
 from moekit.modular_kernel import ModularKernel
-from moekit.validate import check_map_values, check_scale_values
+from moekit.validate import check_map_values, check_positive_int, check_scale_values
 from moekit.workspace import WorkspacePool
 
 _OPTIONS = ("expert_map", "global_num_experts", "w1_scale", "w2_scale", "a2_scale")
@@ -82,10 +82,8 @@ class GraphedKernel:
     def __init__(self, kernel: ModularKernel, *, max_graphs: int = 8):
         if not isinstance(kernel, ModularKernel):
             raise InvalidInputError(f"GraphedKernel wraps a moekit.ModularKernel, got {type(kernel).__name__}")
-        if not isinstance(max_graphs, int) or isinstance(max_graphs, bool) or max_graphs < 1:
-            raise InvalidInputError(f"max_graphs must be a positive int, got {max_graphs!r}")
         self.kernel = kernel
-        self.max_graphs = max_graphs
+        self.max_graphs = check_positive_int(max_graphs, "max_graphs")
         self.last_mode = "none"
         self._graphs: OrderedDict = OrderedDict()
         self._failed: dict = {}
@@ -142,12 +140,6 @@ class GraphedKernel:
             return out
 
     __call__ = forward
-
-    def clear(self) -> None:
-        """Drop every graph (and the memory its buffers hold)."""
-        with self._lock:
-            self._graphs.clear()
-            self._failed.clear()
 
     def _eager_reason(self, hidden) -> str | None:
         if interpreting() or not isinstance(hidden, torch.Tensor) or hidden.device.type != "cuda":

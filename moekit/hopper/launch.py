@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,9 +42,6 @@ import triton
 from moekit.device import interpreting
 from moekit.hopper import pdl
 
-# The calling convention of CompiledKernel.run used below reads the same in the sources of
-# Triton 3.6 (what the H200 runs, where it is tested) and 3.9 (the pin of the CPU suite).
-_CONVENTION = ((3, 6), (3, 9))
 _VERIFY = contextvars.ContextVar("moekit_verify_launches", default=False)
 _RUNTIME = triton.knobs.runtime  # launch_enter_hook: a HookChain in 3.6-3.9, empty unless a profiler listens
 _MAX_KEYS = 4096  # kept variants per launcher
@@ -51,11 +49,6 @@ _MAX_KEYS = 4096  # kept variants per launcher
 
 class LaunchKeyError(AssertionError):
     """A lean launch's key selected another compiled variant than Triton's binder would."""
-
-
-def _version(text: str) -> tuple[int, int]:
-    parts = (text.split(".") + ["0"])[:2]
-    return tuple(int("".join(ch for ch in p if ch.isdigit()) or 0) for p in parts)
 
 
 @functools.cache
@@ -66,8 +59,10 @@ def sm_count(device_index: int) -> int:
 
 def lean_supported() -> bool:
     """Whether direct launches are used at all here (compiled Triton of a known convention)."""
-    low, high = _CONVENTION
-    return not interpreting() and low <= _version(triton.__version__) <= high
+    version = tuple(int(part) for part in re.findall(r"\d+", triton.__version__)[:2])  # "3.6.0+git1": (3, 6)
+    # The calling convention of CompiledKernel.run used below reads the same in the sources of
+    # Triton 3.6 (what the H200 runs, where it is tested) and 3.9 (the pin of the CPU suite).
+    return not interpreting() and (3, 6) <= version <= (3, 9)
 
 
 @contextlib.contextmanager
@@ -112,8 +107,7 @@ class LeanLauncher:
             return
         flags = [p.is_constexpr for p in fn.params]
         first = flags.index(True) if True in flags else len(flags)
-        self._tail_names = list(fn.arg_names)[first:]  # runtime arguments come first, compile-time ones after
-        self._defaults = {p.name: p.default for p in fn.params[first:]}
+        self._tail_params = fn.params[first:]  # runtime arguments come first, compile-time ones after
         self._direct = all(flags[first:])
 
     def __repr__(self) -> str:
@@ -125,9 +119,8 @@ class LeanLauncher:
         """Launch ``fn[grid](*args, **constexprs())``; ``args`` are the runtime arguments in order, ``grid``
         has one or two dimensions."""
         if self.pdl:
-            on = pdl.active(
-                stream[0] if stream is not None else None if interpreting() else torch.cuda.current_device()
-            )
+            index = stream[0] if stream is not None else None if interpreting() else torch.cuda.current_device()
+            on = pdl.active(index)
             key, constexprs = (key, on), _with_pdl(constexprs, on)
         variant = self._variants.get(key)
         if variant is None or _RUNTIME.launch_enter_hook.calls:  # a profiler's hook: Triton's own path
@@ -140,19 +133,8 @@ class LeanLauncher:
         if _VERIFY.get():
             self._verify(variant, args, constexprs())
         c = variant.compiled
-        c.run(
-            grid[0],
-            grid[1] if len(grid) > 1 else 1,
-            1,
-            raw,
-            c.function,
-            c.packed_metadata,
-            None,
-            None,
-            None,
-            *args,
-            *variant.tail,
-        )
+        grid_y = grid[1] if len(grid) > 1 else 1
+        c.run(grid[0], grid_y, 1, raw, c.function, c.packed_metadata, None, None, None, *args, *variant.tail)
 
     def _plain(self, grid, args, key, consts: dict) -> None:
         try:
@@ -165,9 +147,9 @@ class LeanLauncher:
 
                 raise BackendUnavailableError(f"{self.fn.__name__}: {INTERPRETER_ADVICE}") from error
             raise
-        if not self._direct or compiled is None or _hooked():
+        if not self._direct or compiled is None or _RUNTIME.launch_enter_hook.calls:  # (a profiler's hook)
             return
-        tail = tuple(consts[n] if n in consts else self._defaults[n] for n in self._tail_names)
+        tail = tuple(consts.get(p.name, p.default) for p in self._tail_params)
         with self._lock:
             if len(self._variants) >= _MAX_KEYS:  # keys that follow M: forget them all now and then
                 self._variants.clear()
@@ -196,12 +178,6 @@ def _with_pdl(constexprs: Callable[[], dict], on: bool) -> Callable[[], dict]:
     return lambda: dict(constexprs(), PDL=on, launch_pdl=True) if on else dict(constexprs(), PDL=False)
 
 
-def _hooked() -> bool:
-    """Whether a launch hook listens (a profiler): then every launch takes Triton's own path."""
-    hook = _RUNTIME.launch_enter_hook  # an empty HookChain in 3.6-3.9 (None in older ones: no lean path there)
-    return hook is not None and bool(getattr(hook, "calls", True))
-
-
 def int_spec(value: int) -> int:
     """How Triton specializes an int argument: 1 for the value 1, 16 for multiples of 16, 0 else
     (plus 64 when it needs 64 bits)."""
@@ -225,28 +201,14 @@ def _arg_key(arg):
     return arg if arg is None or kind is bool else kind
 
 
-_RELAUNCHERS: dict = {}  # one LeanLauncher per book kernel the wing relaunches
-_RELAUNCHERS_LOCK = threading.Lock()
+@functools.cache  # one LeanLauncher per book kernel the wing relaunches (two threads may race: one is kept)
+def _relauncher(kernel) -> LeanLauncher:
+    return LeanLauncher(kernel)
 
 
 def run_lean(launch, *, stream: tuple[int, int] | None = None) -> None:
     """Run a :class:`moekit.types.KernelLaunch` that a book launcher worked out, without Triton's
     per-call binding after its first launch (the same kernel, grid and arguments)."""
-    lean = _RELAUNCHERS.get(launch.kernel)
-    if lean is None:
-        with _RELAUNCHERS_LOCK:
-            lean = _RELAUNCHERS.setdefault(launch.kernel, LeanLauncher(launch.kernel))
     consts = launch.consts
+    lean = _relauncher(launch.kernel)
     lean(launch.grid, launch.args, key=launch_key(launch.args, consts), constexprs=lambda: consts, stream=stream)
-
-
-__all__ = [
-    "LaunchKeyError",
-    "LeanLauncher",
-    "int_spec",
-    "launch_key",
-    "launch_stream",
-    "lean_supported",
-    "run_lean",
-    "verifying",
-]

@@ -70,8 +70,10 @@ def pair_blocks(
     expert_map: torch.Tensor | None = None,
     *,
     num_local_experts: int | None = None,
+    check: bool = True,
 ) -> PairBlocks:
-    """The one-pair-per-block layout of ``topk_ids`` (checked as ``moe_align_block_size`` checks them).
+    """The one-pair-per-block layout of ``topk_ids`` (checked as ``moe_align_block_size`` checks them;
+    ``check=False``, as the experts call it: not checked). Nothing is launched: the GEMMs read the ids.
 
     Empty slots (-1) and pairs of remote experts get zero rows (the align's ``keep_empty=True``).
 
@@ -79,18 +81,7 @@ def pair_blocks(
         InvalidIdsError: ids or map not signed-integer and contiguous.
         InvalidInputError: a bad ``block_m``/``global_num_experts``, or a map of the wrong length.
     """
-    check_layout_args(topk_ids, block_m, global_num_experts, expert_map, num_local_experts, True)
-    return launch_pair_blocks(topk_ids, block_m, global_num_experts, expert_map, num_local_experts=num_local_experts)
-
-
-def launch_pair_blocks(
-    topk_ids: torch.Tensor,
-    block_m: int,
-    global_num_experts: int,
-    expert_map: torch.Tensor | None = None,
-    *,
-    num_local_experts: int | None = None,
-) -> PairBlocks:
-    """:func:`pair_blocks` without its checks (nothing is launched: the GEMMs read the ids)."""
+    if check:
+        check_layout_args(topk_ids, block_m, global_num_experts, expert_map, num_local_experts, True)
     num_local = num_local_experts if num_local_experts is not None else global_num_experts
     return PairBlocks(topk_ids.view(-1), expert_map, global_num_experts, num_local, block_m)

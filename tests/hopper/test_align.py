@@ -67,12 +67,14 @@ def test_limits_pick_the_launches():
     """The dispatch itself: one program up to TILE pairs, one launch up to MEDIUM_MAX, three past it."""
     path = wing._path_of
     small = path(TILE, 8, 8, 16, TILE, wing.MEDIUM_MAX)
-    assert small.small and small.tile == TILE and path(5, 8, 8, 16, TILE, wing.MEDIUM_MAX).tile == 16
+    assert small.programs == 1 and small.consts["ONE_PROGRAM"] and small.consts["TILE"] == TILE
+    assert path(5, 8, 8, 16, TILE, wing.MEDIUM_MAX).consts["TILE"] == 16  # the one program's tile: numel's power of two
     mid = path(TILE + 1, 8, 8, 16, TILE, wing.MEDIUM_MAX)
-    assert mid.medium and not mid.small and mid.book.num_tiles == 2
-    assert path(TILE, 8, 8, 16, 0, wing.MEDIUM_MAX).medium  # the limits move the paths
+    assert mid.programs == mid.book.num_tiles == 2 and not mid.consts["ONE_PROGRAM"]
+    moved = path(TILE, 8, 8, 16, 0, wing.MEDIUM_MAX)  # the limits move the paths
+    assert moved.programs == 1 and not moved.consts["ONE_PROGRAM"]
     big = path(wing.MEDIUM_MAX + 1, 8, 8, 16, TILE, wing.MEDIUM_MAX)
-    assert not big.medium and not big.small and big.book is book.align_shape(wing.MEDIUM_MAX + 1, 8, 8, 16)
+    assert big.programs == 0 and big.book is book.align_shape(wing.MEDIUM_MAX + 1, 8, 8, 16)  # the book's three
     assert small.spec != mid.spec != big.spec
 
 
