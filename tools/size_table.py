@@ -3,7 +3,7 @@
 ::
 
     python -m tools.size_table              # the Markdown table, from the repository root
-    python -m tools.size_table --check 6500 # also exit 1 when moekit/ holds more than 6500 code lines
+    python -m tools.size_table --check      # also exit 1 when moekit/ holds more than PACKAGE_BUDGET code lines
 
 The package is copied to a temporary folder with the repository's ``pyproject.toml``, its
 ``# fmt: skip`` / ``# fmt: off`` / ``# fmt: on`` comments are dropped (so no line keeps a layout
@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+PACKAGE_BUDGET = 9000  # code lines of moekit/, held in CI (tests/tools/test_size_table.py); the book: tools/book.py
 TOP = "`{}/*.py` (top level)"  # the row of the package's own modules
 _FMT_DIRECTIVE = re.compile(r"#\s*fmt:\s*(skip|off|on)\b")
 _NOT_CODE = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
@@ -128,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.size_table", description=__doc__.splitlines()[0])
     ap.add_argument("--package", type=Path, default=ROOT / "moekit", help="the package folder (default: moekit/)")
     ap.add_argument("--ruff", default=default_ruff(), help="the ruff executable (default: beside python, or on PATH)")
-    ap.add_argument("--check", type=int, metavar="N", help="exit 1 if the total code lines exceed N")
+    budget = f"exit 1 if the total code lines exceed N (default {PACKAGE_BUDGET})"
+    ap.add_argument("--check", type=int, metavar="N", nargs="?", const=PACKAGE_BUDGET, help=budget)
     ap.add_argument("--keep-fmt-directives", action="store_true", help="let `# fmt: skip|off` keep their layout")
     args = ap.parse_args(argv)
     if not args.package.is_dir():

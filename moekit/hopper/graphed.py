@@ -97,6 +97,12 @@ class GraphedKernel:
     def num_graphs(self) -> int:
         return len(self._graphs)
 
+    def clear(self) -> None:
+        """Drop every graph (and the memory its buffers hold)."""
+        with self._lock:
+            self._graphs.clear()
+            self._failed.clear()
+
     def forward(self, hidden, w1, w2, topk_weights, topk_ids, **options) -> torch.Tensor:
         """As :meth:`ModularKernel.forward` (same arguments, same result), replayed from a graph."""
         unknown = set(options) - set(_OPTIONS)

@@ -83,6 +83,9 @@ def test_each_signature_keeps_its_own_workspace():
         args = _fresh(small, 7)
         assert torch.equal(graphed(*args), plain(*args))
         assert torch.equal(graphed(*big_args), plain(*big_args))
+    graphed.clear()  # every graph and its buffers go; the next call captures afresh
+    assert graphed.num_graphs == 0 and torch.equal(graphed(*small.inputs()), plain(*small.inputs()))
+    assert graphed.last_mode == "captured"
 
 
 @pytest.mark.gpu

@@ -89,3 +89,10 @@ def test_main_formats_a_copy_counts_per_folder_and_checks(tmp_path, capsys):
 def test_a_missing_package_is_named(tmp_path):
     with pytest.raises(SystemExit, match="expected a package folder"):
         size_table.main(["--package", str(tmp_path / "nothing")])
+
+
+@pytest.mark.skipif(size_table.default_ruff() is None, reason="needs ruff")
+def test_the_package_holds_its_budget(capsys):
+    # The budget of the book-and-wing issue: moekit/ at most 9000 code lines as ruff formats them.
+    assert size_table.PACKAGE_BUDGET == 9000
+    assert size_table.main(["--check"]) == 0, capsys.readouterr().err
