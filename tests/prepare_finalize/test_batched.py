@@ -156,6 +156,7 @@ def test_format_and_repr():
     assert repr(pf) == "BatchedPrepareFinalize(max_tokens=3)"
 
 
+@pytest.mark.interpreter  # the last part runs the layer on CPU tensors
 def test_slabs_are_no_taller_than_the_pairs_that_came_and_max_tokens_is_exact():
     """max_tokens bounds what one expert may receive; slabs hold min(max_tokens, M * topk) rows, so
     max_tokens=2**40 allocates nothing more (it tried 420 TB); exactly max_tokens tokens pass, one

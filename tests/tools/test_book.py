@@ -11,6 +11,8 @@ import pytest
 from tools import book
 
 ROOT = Path(__file__).resolve().parents[2]
+# The book is measured as ruff formats it (tools.size_table); a machine without ruff (the GPU image) skips.
+pytestmark = pytest.mark.skipif(book.default_ruff() is None, reason="needs ruff (pip install ruff)")
 
 
 @pytest.fixture(scope="module")
