@@ -272,3 +272,14 @@ def test_an_absurd_expert_count_is_named():
     emap = torch.full((8,), -1, device=p.w1.device)
     with expect_raises(InvalidInputError, match=r"global_num_experts must be at most"):
         check_placement(p.w1, emap, 2**40, p.w1.device)
+
+
+@pytest.mark.parametrize("bad", [-2, -(2**31), 4, 2**32 + 1])
+def test_map_values_other_than_minus_one_or_a_local_id_are_named(bad):
+    from moekit.validate import check_map_values
+
+    emap = torch.tensor([-1, 0, 3, 1, -1, 2], dtype=torch.int64)
+    check_map_values(emap, 4)  # -1 and local ids in [0, 4): fine
+    emap[4] = bad
+    with expect_raises(InvalidIdsError, match=rf"got \[{bad}\] at global ids \[4\]"):
+        check_map_values(emap, 4)

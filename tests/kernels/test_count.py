@@ -311,3 +311,23 @@ def test_the_documented_maximum_of_experts_is_counted_and_one_more_is_named(meth
     check(ids, MAX_EXPERTS // 4, emap, method=method)
     with expect_raises(InvalidInputError, match=f"num_local_experts must be at most {MAX_EXPERTS}"):
         count_expert_num_tokens(ids, MAX_EXPERTS + 1, method=method)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("num_local", [32, 64])
+def test_map_entries_past_the_local_experts_never_reach_the_histogram(num_local):
+    # On a GPU tl.histogram keeps only the low bits of a value past its bins: a map entry equal to
+    # num_local (a power of two, so the bins end there) would be counted as local expert 0. The
+    # interpreter drops such values, so the answer alone cannot show it: the probe sees each value.
+    from moekit.workbook.probes import watch_memory
+
+    E = 2 * num_local
+    emap = torch.full((E,), -1, dtype=torch.int32)
+    emap[:num_local] = torch.arange(num_local, dtype=torch.int32)
+    emap[num_local], emap[num_local + 1] = num_local, num_local + 5  # bad entries, ignored by the kernel
+    ids = torch.randint(0, E, (300, 4), dtype=torch.int32)
+    out = torch.empty(num_local, dtype=torch.int32)
+    with watch_memory(ids=ids, map=emap, out=out) as ops:
+        count_mod.launch_count(ids, num_local, emap, out=out)
+    assert ops.histogram_misses == [], ops.histogram_misses[:3]
+    assert torch.equal(out, count_reference(ids, num_local, emap))
