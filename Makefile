@@ -48,7 +48,7 @@ TORCH_LOWEST ?= torch==2.13.0
 # distributed, notebook and optional-extra tests stay with `make test`.
 LOWEST_TESTS ?= tests/kernels tests/experts tests/test_modular_kernel.py tests/test_row_plan.py tests/test_api.py \
 	tests/test_reference.py tests/test_properties.py tests/prepare_finalize/test_no_ep.py \
-	tests/prepare_finalize/test_batched.py tests/prepare_finalize/test_base.py
+	tests/prepare_finalize/test_batched.py tests/prepare_finalize/test_base.py tests/workbook
 LOWEST_MARKERS ?= not slow and not notebooks and not browser and not hf and not gpu and not distributed
 LOWEST_STAMP := $(LOWEST_VENV)/.moekit-installed
 

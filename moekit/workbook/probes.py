@@ -181,9 +181,10 @@ def watch_memory(**tensors: torch.Tensor | None):
         "create_masked_store": memory("create_masked_store", WRITE, 0, 2),  # (ptrs, value, mask, ...)
         "create_atomic_rmw": memory("create_atomic_rmw", ATOMIC, 1, 3),  # (op, ptr, val, mask, ...)
         "create_atomic_cas": memory("create_atomic_cas", ATOMIC, 0, None),  # (ptr, cmp, val, ...)
-        "create_atomic_store": atomic_store,
+        "create_atomic_store": atomic_store,  # Triton 3.7 on: 3.6's interpreter has no atomic store
         "create_histogram": histogram,
     }
+    patches = {name: fn for name, fn in patches.items() if hasattr(builder, name)}
     for name in ("binary_op", "ternary_op", "unary_op", "cast_impl", "create_dot"):
         patches[name] = counting(getattr(builder, name))
     with _LOCK, contextlib.ExitStack() as patched:  # every patch is undone when the block ends
