@@ -30,6 +30,7 @@ _LAZY = {
     "chunk_ranges": "moekit.plan",
     "count_expert_num_tokens": "moekit.kernels.count",
     "fused_moe": "moekit.api",
+    "owned_placement": "moekit.validate",
 }
 _SUBMODULES = {module.name for module in pkgutil.iter_modules(__path__)}  # api, cli, experts, ...
 

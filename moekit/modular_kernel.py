@@ -178,7 +178,7 @@ class ModularKernel:
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
         *,
-        expert_map: torch.Tensor | None = None,
+        expert_map: torch.Tensor | ExpertPlacement | None = None,
         global_num_experts: int | None = None,
         w1_scale: torch.Tensor | None = None,
         w2_scale: torch.Tensor | None = None,
@@ -190,7 +190,9 @@ class ModularKernel:
             hidden: ``[M, K]`` bf16/fp16/fp32 activations.
             w1, w2: ``[E_local, N, K]`` and ``[E_local, K, N/2]`` (fp8 with scales for fp8 block).
             topk_weights, topk_ids: ``[M, topk]``; ids are global, -1 marks an empty slot.
-            expert_map: int ``[E_global]``, global -> local id, -1 for experts on other ranks.
+            expert_map: int ``[E_global]``, global -> local id, -1 for experts on other ranks; its
+                values are read on every call. Or a ``moekit.owned_placement(map, E_local)``: a
+                private copy checked once, so a forward reads nothing back for it.
             global_num_experts: E_global (defaults to the map's length, else E_local).
             w1_scale, w2_scale: 128x128 block scales for fp8 weights.
             a2_scale: optional static scale for requantizing the intermediate activations to fp8:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
 
@@ -314,12 +314,15 @@ class ExpertPlacement:
     """Which experts live on this rank.
 
     ``expert_map`` is int ``[global_num_experts]``: global id -> local id, or -1 where the expert
-    lives on another rank. None means every expert is local (global id == local id).
+    lives on another rank. None means every expert is local (global id == local id). ``owned``: the
+    map is moekit's private copy, its values checked when it was made
+    (:func:`moekit.validate.owned_placement`), so no forward reads them again.
     """
 
     global_num_experts: int
     num_local_experts: int
     expert_map: torch.Tensor | None = None
+    owned: bool = field(default=False, compare=False)
 
 
 @dataclass(frozen=True, eq=False)

@@ -229,6 +229,36 @@ def check_scale_values(scale: torch.Tensor, name: str) -> None:
         raise QuantizationError(f"{name} values must be finite and > 0, got {bad}")
 
 
+def owned_placement(expert_map: torch.Tensor, num_local_experts: int) -> ExpertPlacement:
+    """A placement moekit owns: a private copy of ``expert_map``, its values checked once, here.
+
+    Pass it as ``expert_map=`` to a forward (``ModularKernel``, ``moekit.fused_moe``, ``GraphedKernel``):
+    nobody else holds the copy, so no forward reads its values again, where a map passed as a tensor
+    is read on every call (on a GPU a read-back that waits for the queue). After a rebalance, make a
+    new one. Raises what a forward would raise for that map.
+    """
+    check_ids(expert_map, name="expert_map", rank=1)
+    check_num_experts(num_local_experts, "num_local_experts")
+    copy = expert_map.detach().clone()  # checked after the copy: a later write to the caller's cannot reach it
+    check_map_values(copy, num_local_experts)
+    return ExpertPlacement(check_num_experts(copy.numel(), "global_num_experts"), num_local_experts, copy, owned=True)
+
+
+def check_owned(placement: ExpertPlacement, w1: torch.Tensor, global_num_experts, device) -> ExpertPlacement:
+    """An :func:`owned_placement` passed as ``expert_map``: it must describe this call (w1's experts, the
+    same E, the ids' device); its values were checked when it was made."""
+    emap = placement.expert_map
+    if not placement.owned:
+        raise InvalidInputError("an ExpertPlacement passed as expert_map must come from moekit.owned_placement")
+    if placement.num_local_experts != w1.shape[0] or global_num_experts not in (None, placement.global_num_experts):
+        raise InvalidInputError(
+            f"the owned placement holds {placement.num_local_experts} of {placement.global_num_experts} experts, "
+            f"but w1 holds {w1.shape[0]} and global_num_experts={global_num_experts}"
+        )
+    check_expert_map(emap, device=device)
+    return placement
+
+
 @functools.lru_cache(maxsize=256)
 def _placement(E_global: int, E_local: int) -> ExpertPlacement:
     return ExpertPlacement(E_global, E_local, None)
@@ -246,6 +276,8 @@ def check_placement(
     values are read too unless ``values=False`` (an all-to-all checks them on the device, in the
     exchange that already syncs: :mod:`moekit.prepare_finalize.agreement`)."""
     E_local = w1.shape[0]
+    if isinstance(expert_map, ExpertPlacement):
+        return check_owned(expert_map, w1, global_num_experts, device)
     if expert_map is None and type(global_num_experts) is int and E_local <= global_num_experts <= MAX_EXPERTS:
         return _placement(global_num_experts, E_local)
     if expert_map is None and global_num_experts is None:

@@ -636,3 +636,31 @@ def test_a_layer_at_the_documented_maximum_of_experts_matches_the_reference():
     p.check(ModularKernel(NoEPPrepareFinalize(), TritonExperts(), chunk_size=16)(*p.inputs(), **p.options()))
     with pytest.raises(InvalidInputError, match=f"global_num_experts must be at most {MAX_EXPERTS}"):
         ModularKernel(NoEPPrepareFinalize(), TritonExperts())(*p.inputs(), global_num_experts=MAX_EXPERTS + 1)
+
+
+@pytest.mark.interpreter
+def test_an_owned_placement_is_checked_once_and_follows_no_later_write(monkeypatch):
+    import moekit.validate as validate
+
+    p = make_problem(9, E=8, topk=2, K=32, N=64, dtype=torch.float32, seed=26, device="cpu").shard(1, 2)
+    placement = moekit.owned_placement(p.expert_map, 4)
+    reads = []
+    monkeypatch.setattr(validate, "check_map_values", lambda *a: reads.append(a))
+    kernel = ModularKernel(NoEPPrepareFinalize(), TritonExperts(), chunk_size=4)
+    want = kernel(*p.inputs(), **p.options())
+    assert len(reads) == 1, "a tensor's values are read on every call"
+    p.expert_map.numpy()[:] = 0  # the caller's tensor changes; the owned copy does not
+    assert torch.equal(kernel(*p.inputs(), expert_map=placement, global_num_experts=8), want)
+    assert len(reads) == 1, "an owned placement's values are not read again"
+
+
+def test_an_owned_placement_is_refused_where_it_does_not_fit():
+    emap = torch.tensor([-1, 0, 1, -1], dtype=torch.int32)
+    with pytest.raises(InvalidIdsError, match=r"got \[2\] at global ids \[3\]"):
+        moekit.owned_placement(torch.tensor([-1, 0, 1, 2], dtype=torch.int32), 2)
+    p = make_problem(3, E=4, topk=1, K=32, N=64, dtype=torch.float32, seed=27, device="cpu").shard(0, 2)
+    kernel = ModularKernel(NoEPPrepareFinalize(), TritonExperts())
+    with pytest.raises(InvalidInputError, match="must come from moekit.owned_placement"):
+        kernel(*p.inputs(), expert_map=moekit.ExpertPlacement(4, 2, emap))
+    with pytest.raises(InvalidInputError, match="holds 3 of 4 experts, but w1 holds 2"):
+        kernel(*p.inputs(), expert_map=moekit.owned_placement(torch.tensor([0, 1, 2, -1]), 3))

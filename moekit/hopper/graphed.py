@@ -17,9 +17,9 @@ baked into the graph by address: the weights (and scales, map, a2_scale) must st
 are; changing their values in place is fine, a new tensor is a new signature. The first call
 with a signature is checked in full by ``ModularKernel``; a later call with the same signature
 skips the checks of shapes, dtypes and strides (already accepted), but reads the values of an
-``expert_map`` and an ``a2_scale`` again (a small read-back each): the caller may have written
-them since, and a replay runs no check of its own (ids are not range-checked on the GPU in
-either path).
+``expert_map`` and an ``a2_scale`` again (a small read-back each; not for a map passed as
+``moekit.owned_placement``): the caller may have written them since, and a replay runs no check
+of its own (ids are not range-checked on the GPU in either path).
 
 Use it where the host is the limit (decode-sized M). Once the GPU is the limit it only adds the
 input and output copies (at M=16384 one H200 run even measured it slower than the plain call).
@@ -133,8 +133,8 @@ class GraphedKernel:
             else:
                 self._graphs.move_to_end(key)
                 self.last_mode = "replayed"
-            if options.get("expert_map") is not None:  # values the graph reads by address: read them again
-                check_map_values(options["expert_map"], w1.shape[0])
+            if isinstance(options.get("expert_map"), torch.Tensor):  # read by address: read the values again
+                check_map_values(options["expert_map"], w1.shape[0])  # (an owned placement's were checked once)
             if options.get("a2_scale") is not None:
                 check_scale_values(options["a2_scale"], "a2_scale")
             for static, given in zip(entry.inputs, (hidden, topk_weights, topk_ids), strict=True):

@@ -137,3 +137,19 @@ def test_a_replay_reads_the_map_and_scale_values_again():
     p.expert_map.data[0] = 8  # == E_local, without a version bump
     with expect_raises(InvalidIdsError, r"got \[8\] at global ids \[0\]"):
         graphed(*p.inputs(), **p.options())
+
+
+@pytest.mark.gpu
+@on_gpu
+def test_an_owned_placement_replays_without_reading_its_values(monkeypatch):
+    import moekit.hopper.graphed as graphed_module
+
+    p = make_problem(8, E=16, topk=4, K=256, N=512, device="cuda").shard(1, 2)
+    placement = moekit.owned_placement(p.expert_map, 8)
+    plain, graphed = _kernel(), GraphedKernel(_kernel())
+    graphed(*p.inputs(), expert_map=placement)
+    reads = []
+    monkeypatch.setattr(graphed_module, "check_map_values", lambda *a: reads.append(a))
+    args = _fresh(p, 3)
+    assert torch.equal(graphed(*args, expert_map=placement), plain(*args, expert_map=placement))
+    assert graphed.last_mode == "replayed" and reads == []
