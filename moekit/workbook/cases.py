@@ -2,9 +2,11 @@
 
 A check draws its cases from a :class:`Sampler`; ``Sampler(seed)`` draws the same cases again,
 so the seed that a failed check prints replays it. The edges are always among the draws: case
-``i`` takes the ``i``-th ids dtype and expert map in turn, and each check adds its own pinned
-edges (empty input, E = 1, whole tiles, an expert past int16's limit). A case prints as its
-sizes (:class:`Routing`), never as a tensor.
+``i`` takes the ``i``-th ids dtype and expert map in turn, every batch holds each kind of id
+that must not count (:meth:`Sampler.batch`), and each check adds its own pinned edges (empty
+input, E = 1, whole tiles and one id past them, int16 ids of an expert past int16's limit,
+E_local = NUM_BINS - 1 past int8's range). A case prints as its sizes (:class:`Routing`),
+never as a tensor.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ ID_DTYPES = (torch.int16, torch.int32, torch.int64)  # every ids dtype moekit's 
 MAPS = ("none", "contiguous", "strided", "random")  # expert maps: none, and three ways to place experts
 BLOCKS = (16, 32, 64, 128, 256)  # the ids' tile sizes the checks launch kernels with
 HOT = 36_000  # pairs of one expert: past int16's limit, and past int8's in every lane of a 256-id tile
+HOT_INT16 = {"hot": HOT, "E": 3, "dtype": torch.int16}  # an edge: counts past int16's limit, of int16 ids
 
 
 def fresh_seed() -> int:
@@ -119,21 +122,30 @@ class Sampler:
         local[self.rng.sample(range(rt.E), rt.num_local)] = torch.arange(rt.num_local, dtype=rt.dtype)
         return local
 
-    def batch(self, rt: Routing, *, block: int = 16) -> Batch:
+    def batch(self, rt: Routing, *, block: int = 16, wrap_bits: int = 16) -> Batch:
         """Fresh values for ``rt``: experts take 0, 1 or about a multiple of ``block`` pairs, one
-        local expert takes ``rt.hot``, an eighth of the slots (at least 4, at most half) are -1
-        or ids past E (and past its bins), each kind in turn; the rest are uniform."""
+        local expert takes ``rt.hot``, an eighth of the slots (at least 5, at most half) are ids
+        that must not count, each kind in turn: -1, past E, past its bins, and a local expert
+        plus 2**8, 2**16 or 2**32 (int16, int32 or int64 ids; at most ``2**wrap_bits``, none for
+        0), which a cast to a narrower int turns into that expert. (A torch bincount of 2**32
+        allocates 32 GiB, and a kernel on a GPU that gathers there faults: only the kernel checks
+        in the interpreter draw it.) The rest are uniform, and the last id is a local expert's
+        (a loop that stops a tile early misses it)."""
         r, E, n = self.rng, rt.E, rt.M * rt.topk
         emap = self.expert_map(rt)
-        flat = [r.choice([g for g in range(E) if emap is None or emap[g] >= 0])] * rt.hot
+        local = list(range(E)) if emap is None else (emap >= 0).nonzero().flatten().tolist()
+        flat = [r.choice(local)] * rt.hot
         for e in r.sample(range(E), E):
             if len(flat) >= n:
                 break
             flat += [e] * r.choice((0, 1, block - 1, block, block + 1, 3 * block))
-        bad = [(-1, E, E + 3, num_bins(E) + 1)[j % 4] for j in range(min(n // 2, max(4, n // 8)))]
+        bits = min(4 * rt.dtype.itemsize, wrap_bits)
+        kinds = [-1, E, E + 3, num_bins(E) + 1] + [2**bits + r.choice(local)] * (bits > 0)
+        bad = [kinds[j % len(kinds)] for j in range(min(n // 2, max(len(kinds), n // 8)))]
         flat = flat[: n - len(bad)] + bad
         flat += [r.randrange(E) for _ in range(n - len(flat))]
         r.shuffle(flat)
+        flat = flat[:-1] + [r.choice(local)] * bool(flat)  # the last id counts
         return Batch(rt, torch.tensor(flat, dtype=torch.int64).view(rt.M, rt.topk).to(rt.dtype), emap, rt.num_local)
 
     def ranges(self, M: int) -> list[tuple[int, int]]:
@@ -142,4 +154,4 @@ class Sampler:
         return [(0, M), (M, M), (s, s), (s, self.rng.randint(s, M))]
 
 
-__all__ = ["BLOCKS", "HOT", "ID_DTYPES", "MAPS", "Batch", "Routing", "Sampler", "fresh_seed", "num_bins"]
+__all__ = ["BLOCKS", "HOT", "HOT_INT16", "ID_DTYPES", "MAPS", "Batch", "Routing", "Sampler", "fresh_seed", "num_bins"]

@@ -3,9 +3,9 @@
 Each ``check_*`` draws its cases from a :class:`moekit.workbook.cases.Sampler` over the whole
 space the exercise's text allows (its edges always among them), runs the learner's code against
 :mod:`moekit.reference` (or the library's own plan), holds it to the contract every exercise
-shares (inputs are read-only; new data of the same sizes gets a new answer), checks *how* where
-the exercise is about how, and raises :class:`moekit.errors.ExerciseFailed` with one line
-naming the first failing case.
+shares (inputs are read-only; new data of the same sizes gets a new answer, in new objects and
+written into the same ones), checks *how* where the exercise is about how, and raises
+:class:`moekit.errors.ExerciseFailed` with one line naming the first failing case.
 """
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ import torch
 
 from moekit.errors import ExerciseFailed
 from moekit.types import ALIGN_M
-from moekit.workbook.cases import HOT, Sampler
+from moekit.workbook.cases import HOT_INT16, Sampler
 from moekit.workbook.probes import is_view_of, watch_inputs
 
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 SCALES = ("per-token", "per-group", "per-tensor", "no")  # [M, 1]; [M, K/128] column-major; [1]; None
 AGAIN = ", called again on new data of the same sizes"
-LAST_LOCAL = {"map": "strided", "E": 8, "ep": 2, "rank": 1}  # the map's last entry is local: map[-1] is an expert
+REFILLED = f"{AGAIN}, written into the same input (as into a CUDA graph's static buffer)"
+LAST_LOCAL = {"map": "strided", "E": 512, "ep": 2, "rank": 1}  # map[-1] is an expert; 256 local: past int8's range
 OTHER_ROWS = ", called again with the chunk's rows kept and every other row changed (bug 2 counts those too)"
 
 
@@ -41,12 +42,12 @@ def _read_only(sampler: Sampler, fn, names: str, *args):
     return result
 
 
-def difference(got: list, want: list) -> str:
-    """The first difference between two lists of counts, in a few words (never the lists)."""
+def difference(got, want) -> str:
+    """The first difference between two lists (or 1-D tensors) of counts, in a few words (never the lists)."""
     if len(got) != len(want):
         return f"{len(got)} counts; expected {len(want)}, one per local expert"
     bad = [i for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w]
-    return f"{got[bad[0]]} for expert {bad[0]}; expected {want[bad[0]]} ({len(bad)} of {len(want)} experts differ)"
+    return f"{int(got[bad[0]])} for expert {bad[0]}; expected {int(want[bad[0]])} ({len(bad)} of {len(want)} differ)"
 
 
 def _short(items: list, what: str = "chunks") -> str:
@@ -116,8 +117,10 @@ def check_chunk_plan(chunk_plan, chunk_inputs, *, sampler: Sampler) -> None:
 def check_workspace_shapes(experts_class, *, sampler: Sampler) -> None:
     """``experts_class()`` (a :class:`moekit.workbook.backends.GatedTorchExperts`) runs in the
     real ModularKernel for M >= 0, any C, topk, K and N (independent), act dtypes and EP ranks,
-    and matches the reference; each chunk's workspaces hold fewer than twice the bytes that the
-    kit's solution declares for that chunk."""
+    with and without ``tokens_meta`` (``NoEPPrepareFinalize(return_counts=True)``: the chunk's
+    local pairs, fewer than its rows when experts live on other ranks), and matches the
+    reference; each chunk's workspaces are declared in act_dtype and hold at least the bytes
+    that the kit's solution declares for that chunk, and fewer than twice as many."""
     from moekit.modular_kernel import ModularKernel
     from moekit.prepare_finalize import NoEPPrepareFinalize
     from moekit.testing import assert_close, make_problem
@@ -125,18 +128,20 @@ def check_workspace_shapes(experts_class, *, sampler: Sampler) -> None:
     from moekit.workbook.solutions.workspace import MyExperts
 
     r = sampler.rng
-    for i in range(6):  # edges: case 0, two chunks of different sizes; 1, K > N; 2, K < N/2; 3, no tokens
+    # edges: case 0, two chunks of different sizes, on one of 2 ranks; 1, K > N; 2, K < N/2, one rank; 3, no tokens
+    for i in range(6):  # even cases hand workspace_shapes tokens_meta
         M = 130 if i == 0 else 0 if i == 3 else r.randint(1, 200)
         C = 128 if i == 0 else r.choice((None, r.randint(max(M // 6, 1), M + 1)))  # at most about 6 chunks
         K = r.randint(65, 160) if i == 1 else r.randint(1, 15) if i == 2 else r.randint(1, 160)
         N = 2 * (r.randint(1, 16) if i == 1 else r.randint(16, 64))
-        E, dtype = r.randint(1, 12), ACT_DTYPES[i % 3]
-        topk, ep = r.randint(1, E), r.randint(1, E)
+        E, dtype, meta = r.randint(2 if i == 0 else 1, 12), ACT_DTYPES[i % 3], i % 2 == 0
+        topk, ep = r.randint(1, E), 2 if i == 0 else 1 if i == 2 else r.randint(1, E)
         rank = r.randrange(ep)
         p = make_problem(M, E=E, topk=topk, K=K, N=N, dtype=dtype, seed=r.getrandbits(31))
         p = p.shard(rank, ep) if ep > 1 else p
-        sampler.new_case(f"M={M}, C={C}, E={E} (rank {rank} of {ep}), topk={topk}, K={K}, N={N}, {str(dtype)[6:]}")
-        kernel = ModularKernel(NoEPPrepareFinalize(), experts_class(), chunk_size=C)
+        where = f"E={E} (rank {rank} of {ep}), topk={topk}, K={K}, N={N}, {str(dtype)[6:]}{', tokens_meta' * meta}"
+        sampler.new_case(f"M={M}, C={C}, {where}")
+        kernel = ModularKernel(NoEPPrepareFinalize(return_counts=meta), experts_class(), chunk_size=C)
         try:
             out = kernel(*p.inputs(), **p.options())
         except Exception as e:  # the learner meets the failure where the real code meets it
@@ -150,11 +155,12 @@ def check_workspace_shapes(experts_class, *, sampler: Sampler) -> None:
             size = ProblemSize(c.M, N, K, topk, E, p.w1.shape[0])
             need = MyExperts().workspace_shapes(size, act_dtype=dtype).workspace_bytes
             got = c.needed.workspace_bytes
-            if got and got >= 2 * need:
+            if not need <= got < 2 * need or c.needed.dtype != dtype:
                 fail(
                     f"{sampler.case}, chunk {c.index} ({c.M} tokens): declared {c.needed.workspace13} and "
                     f"{c.needed.workspace2} of {c.needed.dtype}, {got} bytes where this chunk needs {need}: size "
-                    "each buffer by this chunk's own problem (its M, not the batch's), in act_dtype"
+                    "each buffer by this chunk's own problem (its M and topk, not the batch's or its local "
+                    "pairs), in act_dtype"
                 )
 
 
@@ -167,21 +173,22 @@ def check_recount(chunk_counts, *, sampler: Sampler) -> None:
     rows ``[start, end)`` for every ids dtype and kind of map (none, contiguous, strided,
     random), -1 slots, ids past the map or >= E_local, E = 1, an expert past int16's limit, and
     chunks whole, empty or inside; it counts the chunk's own rows, changes none of its inputs,
-    and answers new data of the same sizes anew."""
+    and answers new data of the same sizes anew (new ids, and new ids in the same tensor)."""
     from moekit.reference import count_reference
 
     names = "topk_ids start end num_local_experts expert_map"
-    for rt in sampler.routings(4, {"M": 0}, {"M": 1, "E": 1}, {"hot": HOT, "E": 3}, LAST_LOCAL):
+    for rt in sampler.routings(4, {"M": 0}, {"M": 1, "E": 1}, HOT_INT16, LAST_LOCAL):
         first, again, other = sampler.batch(rt), sampler.batch(rt), sampler.batch(rt)
         for s, e in sampler.ranges(rt.M):
             outside = other.ids.clone()
             outside[s:e] = first.ids[s:e]  # the chunk's rows as in `first`: its counts must be `first`'s
-            for b, note in ((first, ""), (again, AGAIN), (replace(first, ids=outside), OTHER_ROWS)):
+            for b, note in ((first, ""), (again, AGAIN), (replace(first, ids=outside), OTHER_ROWS), (first, REFILLED)):
+                if note == REFILLED:
+                    first.ids.copy_(sampler.batch(rt).ids)  # a cache keyed by the tensor (or its address) is stale
                 sampler.new_case(f"chunk_counts(rows [{s}, {e}) of {rt}){note}")
-                got = _read_only(sampler, chunk_counts, names, b.ids, s, e, b.num_local, b.expert_map)
-                got = torch.as_tensor(got).long().tolist()
-                want = count_reference(b.ids[s:e], b.num_local, b.expert_map).tolist()
-                if got != want:
+                got = torch.as_tensor(_read_only(sampler, chunk_counts, names, b.ids, s, e, b.num_local, b.expert_map))
+                want = count_reference(b.ids[s:e], b.num_local, b.expert_map).long()
+                if not torch.equal(got.long(), want):  # compared as tensors: a wrong answer may be huge
                     fail(f"{sampler.case} gave {difference(got, want)}")
 
 
@@ -195,7 +202,8 @@ def check_row_plan(row_chunk_plan, *, sampler: Sampler) -> None:
     128-row blocks, tiling every expert's padded run, as few as R allows, and so each expert is
     read by about one chunk: expert reads <= experts touched + chunks - 1. (For ranges that tile
     the layout the last bound follows from the tiling: each boundary cuts at most one expert. It
-    is kept as the statement of what the plan is for.) ``counts`` is read-only."""
+    is kept as the statement of what the plan is for.) ``counts`` is read-only; new counts, in a
+    new list and written into the same list, get a new plan."""
     from moekit.viz.rows import expert_segments
 
     r = sampler.rng
@@ -204,8 +212,10 @@ def check_row_plan(row_chunk_plan, *, sampler: Sampler) -> None:
         R = ALIGN_M * (10_000 if i == 2 else r.randint(1, 12))  # case 2: R past the whole layout
         menu = [0, 1, 127, 128, 129, 256, 1000, r.randint(0, 3000)]
         menu = [0, 128, 256, 640] if i == 0 else [0] if i == 1 else menu  # case 0: whole blocks; case 1: no rows
-        for note in ("", AGAIN):
-            counts = [r.choice(menu) for _ in range(E)]
+        counts = []
+        for note in ("", AGAIN, REFILLED):
+            counts = counts if note == REFILLED else []  # REFILLED: the same list, new values
+            counts[:] = [r.choice(menu) for _ in range(E)]
             sampler.new_case(f"row_chunk_plan({_short(counts, 'experts')}, R={R}){note}")
             bounds = expert_segments(torch.tensor(counts))
             total = int(bounds[-1])

@@ -2,12 +2,14 @@
 
 Each launches the learner's ``@triton.jit`` kernel with a fixed signature and grid on cases
 drawn by a :class:`moekit.workbook.cases.Sampler`: every ids dtype and kind of expert map, -1
-slots, ids past the map, >= E_local without one, >= num_experts and >= NUM_BINS, BLOCK (and
-BLOCK_M) among several sizes, empty input, whole tiles, experts with 0, 1 and exactly a
-multiple of BLOCK_M pairs, and one expert past int16's limit (past int8's in a tile). Every
-tensor sits inside a larger buffer whose margins hold 0, a valid expert, so a kernel that
-strays past its tensors reads numbers it can miscount instead of memory it does not own.
-Inputs are compared before and after.
+slots, ids past the map, >= E_local without one, >= num_experts and >= NUM_BINS, ids that a
+narrower int turns into a local expert (2**32 + e in int64: in the interpreter only), BLOCK (and
+BLOCK_M) among several sizes, empty input, whole tiles and one id past them, experts with 0, 1
+and exactly a multiple of BLOCK_M pairs, int16 ids of one expert past int16's limit (past int8's
+in a tile), and E_local = NUM_BINS - 1 past 127 (past 255 for the one-pass count). Every tensor
+sits inside a larger buffer whose margins hold 0, a valid expert, so a kernel that strays past
+its tensors reads numbers it can miscount instead of memory it does not own. Inputs are compared
+before and after.
 
 Under the interpreter the checks also watch *how* the kernel ran
 (:func:`moekit.workbook.probes.watch_memory`): that a Triton kernel ran, read every id and
@@ -15,7 +17,9 @@ wrote every result itself (a host function behind ``__getitem__`` launches nothi
 lane outside the given tensors, any write to an input, any non-atomic write that two programs
 make to one element (the interpreter runs programs one after another, so a race never shows in
 the answer), ``tl.histogram`` values outside its bins (a GPU keeps their low bits), which
-program read which ids, and the work done per id. A scan in disguise, a one-program
+program read which ids, the work done per id, and (the align) a program that reads an element it wrote (or
+writes one it read) with no ``tl.debug_barrier()`` between (on a GPU its threads do not wait
+for each other; the interpreter runs them in order). A scan in disguise, a one-program
 "histogram" or a load-add-store counter gives the right answer here and still fails. On a GPU
 the checks require a :class:`triton.runtime.jit.JITFunction` and see only the answers.
 """
@@ -29,14 +33,16 @@ import torch
 
 from moekit.device import get_device, interpreting
 from moekit.reference import count_reference
-from moekit.workbook.cases import BLOCKS, HOT, Batch, Sampler, num_bins
+from moekit.workbook.cases import BLOCKS, HOT_INT16, Batch, Sampler, num_bins
 from moekit.workbook.checks import difference, fail
 from moekit.workbook.probes import MemoryOps, is_triton_kernel, watch_inputs, watch_memory
 
 BLOCK_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # the align's block sizes
 PROGRAMS = 120  # at most this many programs (or scan steps, per expert) per drawn case: the interpreter runs each
 WORK_SLACK = 16  # element operations a one-pass count may spend per bin and program
-COUNT_EDGES = ({"M": 0}, {"M": 1, "E": 1}, {"M": 128, "topk": 2}, {"hot": HOT, "E": 2})  # 256 ids: whole tiles
+# 256 ids: whole tiles of every BLOCK; 257: one id past them
+COUNT_EDGES = ({"M": 0}, {"M": 1, "E": 1}, {"M": 128, "topk": 2}, HOT_INT16, {"M": 257, "topk": 1, "E": 4})
+WRAP_BITS = 32 if interpreting() else 0  # ids of 2**32 + e: a GPU kernel that gathers there without its mask faults
 INPUTS = ("ids", "map")  # what the kernels read and must never write (the align kernel takes no map)
 
 
@@ -179,12 +185,14 @@ def _check_work(kernel, sampler: Sampler) -> None:
 def _check_counts(kernel, sampler: Sampler, *, scan: bool) -> None:
     what = "scan_kernel" if scan else "histogram_kernel"
     _require_kernel(what, kernel)
-    for rt in sampler.routings(6, *COUNT_EDGES, max_experts=48 if scan else 512):
+    wide = {"E": 255, "map": "none"} if scan else {"E": 511, "map": "none", "M": 64, "topk": 8}  # = NUM_BINS - 1
+    for rt in sampler.routings(6, *COUNT_EDGES, wide, max_experts=48 if scan else 512):
         block = sampler.rng.choice(BLOCKS[-1:] if rt.hot else BLOCKS)
-        if not rt.hot:  # the interpreter runs every program (and the scan every step) in Python
-            rt = replace(rt, M=min(rt.M, PROGRAMS * block // (rt.topk * (rt.num_local if scan else 1))))
+        if not rt.hot:  # the interpreter runs every program (and the scan every step) in Python; a tile at least
+            most = PROGRAMS * block // (rt.topk * (rt.num_local if scan else 1))
+            rt = replace(rt, M=min(rt.M, max(most, -(-block // rt.topk))))
         sampler.new_case(f"{what} on {rt}, BLOCK={block}")
-        _count_case(kernel, sampler.batch(rt, block=block), block, sampler.case, scan=scan)
+        _count_case(kernel, sampler.batch(rt, block=block, wrap_bits=WRAP_BITS), block, sampler.case, scan=scan)
     if interpreting() and not scan:
         _check_work(kernel, sampler)
 
@@ -207,13 +215,16 @@ def check_histogram_kernel(kernel, *, sampler: Sampler) -> None:
 def check_align_kernel(kernel, *, sampler: Sampler) -> None:
     """``align_kernel`` (one program) sorts the pairs by expert and pads each expert to BLOCK_M.
     Any order of an expert's pairs inside its run is accepted (atomics assign the rows); every
-    block's expert id is checked, and nothing past ``num_tokens_post_padded`` may be written."""
+    block's expert id is checked, and nothing past ``num_tokens_post_padded`` may be written.
+    Under the interpreter, once every answer is right, a program's store and a later load of the
+    same element (or a load and a later atomic) need a ``tl.debug_barrier()`` between."""
     _require_kernel("align_kernel", kernel)
-    for rt in sampler.routings(6, *COUNT_EDGES, map="none", max_experts=256):
+    unordered = None  # the first case without a barrier where one is needed: told after the answers
+    for rt in sampler.routings(6, *COUNT_EDGES, {"E": 255}, map="none", max_experts=256):  # 255 = NUM_BINS - 1
         block_m = sampler.rng.choice(BLOCK_MS[5:] if rt.hot else BLOCK_MS)
         block = sampler.rng.choice(BLOCKS[-1:] if rt.hot else BLOCKS)
         rt = rt if rt.hot else replace(rt, M=min(rt.M, 4 * PROGRAMS * block_m // rt.topk))  # blocks, one store each
-        ids, E, bins = sampler.batch(rt, block=block_m).ids.reshape(-1), rt.E, num_bins(rt.E)
+        ids, E, bins = sampler.batch(rt, block=block_m, wrap_bits=WRAP_BITS).ids.reshape(-1), rt.E, num_bins(rt.E)
         numel, bound = ids.numel(), ids.numel() + E * (block_m - 1)  # the most rows E padded runs can take
         sampler.new_case(f"align_kernel on {rt}, BLOCK_M={block_m}, BLOCK={block}")
         tensors = {
@@ -256,6 +267,13 @@ def check_align_kernel(kernel, *, sampler: Sampler) -> None:
         if ops is not None:
             rows = (srt[:total] != numel).nonzero().flatten().tolist()
             _check_ran(sampler.case, ops, numel, {"post": [0], "expert_ids": range(blocks), "sorted": rows})
+            unordered = unordered or (hit := ops.unordered()) and (sampler.case, *hit)
+    if unordered:  # on a GPU each lane is a thread: one thread's store is not ordered before another's load
+        case, t, program, i = unordered
+        fail(
+            f"{case}: program {program} wrote {t}[{i}] and read it (or read, then wrote it) with no tl.debug_barrier() "
+            "between: on a GPU another of its threads may get there first; the interpreter runs one op at a time"
+        )
 
 
 __all__ = ["BLOCK_MS", "check_align_kernel", "check_histogram_kernel", "check_scan_kernel"]

@@ -2,9 +2,11 @@
 
 - :func:`watch_memory`: every memory operation that interpreted Triton kernels make, per program
   and per watched tensor (loads, stores, atomics, and lanes that touch no watched tensor at
-  all), the element operations each program computes (its work), and every ``tl.histogram``
-  value outside its bins. Triton's interpreter runs the programs of a grid one after another,
-  so a race between two programs can never show up in the results; it shows up in the addresses.
+  all), the element operations each program computes (its work), every ``tl.histogram``
+  value outside its bins, and each program's ``tl.debug_barrier()`` calls. Triton's interpreter
+  runs the programs of a grid one after another, and each op of a program on all its lanes at
+  once, so a race between two programs, or between two threads of one program, can never show
+  up in the results; it shows up in the addresses and their order.
 - :func:`is_triton_kernel`: whether an object is a ``@triton.jit`` function at all.
 - :func:`watch_inputs`: which of a call's inputs the call changed.
 - :func:`shares_memory` and :func:`is_view_of`: whether a chunk is a view of the batch.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -44,8 +47,9 @@ class Race:
 class MemoryOps:
     """What interpreted kernels did inside a :func:`watch_memory` block.
 
-    ``lanes[(tensor, kind)]`` lists ``(program, element indices)`` of each operation's live lanes
-    (``kind`` is READ, WRITE or ATOMIC); ``outside[kind]`` counts live lanes whose address lies
+    ``lanes[(tensor, kind)]`` lists ``(program, element indices, step, phase)`` of each
+    operation's live lanes (``kind`` is READ, WRITE or ATOMIC; ``step`` orders all operations;
+    ``phase`` counts the program's barriers before it); ``outside[kind]`` counts live lanes whose address lies
     in no watched tensor; ``work[program]`` counts the elements that arithmetic, comparisons,
     selects, casts, dots and histograms produced; ``histogram_misses`` holds values given to
     ``tl.histogram`` outside ``[0, bins)`` (a GPU keeps only their low bits); ``launches``
@@ -56,11 +60,12 @@ class MemoryOps:
     outside: dict = field(default_factory=lambda: defaultdict(int))
     work: dict = field(default_factory=lambda: defaultdict(int))
     programs: set = field(default_factory=set)
+    barriers: dict = field(default_factory=lambda: defaultdict(int))
     histogram_misses: list = field(default_factory=list)
     launches: list = field(default_factory=list)
 
     def _indices(self, name: str, kinds, program=None) -> np.ndarray:
-        parts = [indices for k in kinds for p, indices in self.lanes[(name, k)] if program in (None, p)]
+        parts = [indices for k in kinds for p, indices, *_ in self.lanes[(name, k)] if program in (None, p)]
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
     def reads(self, name: str, program=None) -> int:
@@ -83,11 +88,26 @@ class MemoryOps:
         read, wrote or atomically updated them: on a GPU the programs run at once."""
         touched = defaultdict(set)  # element -> the programs that touched it
         for kind in (READ, WRITE, ATOMIC):
-            for p, indices in self.lanes[(name, kind)]:
+            for p, indices, *_ in self.lanes[(name, kind)]:
                 for i in np.unique(indices).tolist():
                     touched[i].add(p)
         plain = np.unique(self._indices(name, (WRITE,))).tolist()
         return [Race(name, i, tuple(sorted(touched[i]))) for i in plain if len(touched[i]) > 1]
+
+    def unordered(self) -> tuple[str, int, int] | None:
+        """The first ``(tensor, program, element)`` that a program read after writing it, or
+        wrote after reading it (loads, stores and atomics; atomics alone are ordered, and two
+        stores are not compared), with no ``tl.debug_barrier()`` between; None when there is none."""
+        seen = defaultdict(set)  # (tensor, program, barriers before, kind) -> elements
+        for _, name, kind, p, indices, phase in sorted(
+            (s, n, k, p, i, b) for (n, k), v in self.lanes.items() for p, i, s, b in v
+        ):
+            now = set(indices.tolist())
+            clash = now & set().union(*(seen[(name, p, phase, k)] for k in (READ, WRITE, ATOMIC) if k != kind))
+            if clash:
+                return name, p, min(clash)
+            seen[(name, p, phase, kind)] |= now
+        return None
 
     @property
     def total_work(self) -> int:
@@ -117,7 +137,7 @@ def watch_memory(**tensors: torch.Tensor | None):
     from triton.runtime import interpreter
 
     watched = {n: (t.data_ptr(), t.numel(), t.element_size()) for n, t in tensors.items() if t is not None}
-    ops = MemoryOps()
+    ops, steps = MemoryOps(), itertools.count()
     builder = interpreter.InterpreterBuilder
     state = threading.local()
 
@@ -129,11 +149,11 @@ def watch_memory(**tensors: torch.Tensor | None):
         ops.programs.add(p)
         addr = np.asarray(ptrs.data).astype(np.uint64).ravel()
         live = np.broadcast_to(True if mask is None else np.asarray(mask.data, bool), np.shape(ptrs.data)).ravel()
-        inside = np.zeros(addr.shape, bool)
+        inside, step = np.zeros(addr.shape, bool), next(steps)
         for name, (lo, numel, size) in watched.items():
             hit = live & (addr >= lo) & (addr < lo + numel * size)
             if hit.any():
-                ops.lanes[(name, kind)].append((p, ((addr[hit] - lo) // size).astype(np.int64)))
+                ops.lanes[(name, kind)].append((p, ((addr[hit] - lo) // size).astype(np.int64), step, ops.barriers[p]))
             inside |= hit
         stray = int(live.sum() - inside.sum())
         ops.outside[kind] += stray
@@ -160,6 +180,10 @@ def watch_memory(**tensors: torch.Tensor | None):
             ops.histogram_misses.append((_program(self), int(v), int(bins)))
         return originals["create_histogram"](self, data, bins, mask)
 
+    def barrier(self):
+        ops.barriers[_program(self)] += 1
+        return originals["create_barrier"](self)
+
     def atomic_store(self, ptr, val, mask, sem, scope):
         state.atomic = getattr(state, "atomic", 0) + 1
         try:
@@ -183,6 +207,7 @@ def watch_memory(**tensors: torch.Tensor | None):
         "create_atomic_cas": memory("create_atomic_cas", ATOMIC, 0, None),  # (ptr, cmp, val, ...)
         "create_atomic_store": atomic_store,  # Triton 3.7 on: 3.6's interpreter has no atomic store
         "create_histogram": histogram,
+        "create_barrier": barrier,
     }
     patches = {name: fn for name, fn in patches.items() if hasattr(builder, name)}
     for name in ("binary_op", "ternary_op", "unary_op", "cast_impl", "create_dot"):

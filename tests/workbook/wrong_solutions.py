@@ -102,6 +102,22 @@ class TwiceKExperts(GatedTorchExperts):  # GEMM1's output sized 2K: right only w
                                act_dtype)  # fmt: skip
 
 
+class TokensMetaRowsExperts(GatedTorchExperts):  # rows = the local pairs tokens_meta counts: fewer than M * topk
+    def workspace_shapes(self, problem, *, act_dtype, tokens_meta=None):
+        pairs = problem.M * problem.topk
+        if tokens_meta is not None:
+            pairs = int(tokens_meta.expert_num_tokens.sum())
+        return WorkspaceShapes((pairs, problem.N), (pairs, problem.N // 2), (problem.M, problem.topk, problem.K),
+                               act_dtype)  # fmt: skip
+
+
+class HalfPrecisionScratchExperts(GatedTorchExperts):  # "fp16 scratch saves memory": half the bytes under fp32
+    def workspace_shapes(self, problem, *, act_dtype, tokens_meta=None):
+        pairs = problem.M * problem.topk
+        return WorkspaceShapes((pairs, problem.N), (pairs, problem.N // 2), (problem.M, problem.topk, problem.K),
+                               torch.float16)  # fmt: skip
+
+
 # -- 3. the recount ---------------------------------------------------------------------------
 
 
@@ -163,6 +179,32 @@ def counts_in_int16(topk_ids, start, end, num_local_experts, expert_map=None):  
     from moekit.workbook.solutions.recount import chunk_counts
 
     return chunk_counts(topk_ids, start, end, num_local_experts, expert_map).to(torch.int16)
+
+
+_BY_ADDRESS = {}
+
+
+def counts_cached_by_address(topk_ids, start, end, num_local_experts, expert_map=None):  # a static buffer refilled
+    from moekit.workbook.solutions.recount import chunk_counts
+
+    key = (topk_ids.data_ptr(), tuple(topk_ids.shape), start, end, num_local_experts, expert_map is None)
+    if key not in _BY_ADDRESS:
+        _BY_ADDRESS[key] = chunk_counts(topk_ids, start, end, num_local_experts, expert_map)
+    return _BY_ADDRESS[key].clone()
+
+
+def counts_through_uint8(topk_ids, start, end, num_local_experts, expert_map=None):  # "ids fit a byte when E < 256"
+    from moekit.workbook.solutions.recount import chunk_counts
+
+    limit = expert_map.numel() if expert_map is not None else num_local_experts
+    ids = topk_ids[start:end].to(torch.uint8).long() if limit < 256 else topk_ids[start:end]  # 256 + e becomes e
+    return chunk_counts(ids, 0, ids.shape[0], num_local_experts, expert_map)
+
+
+def counts_in_the_ids_dtype(topk_ids, start, end, num_local_experts, expert_map=None):  # int16 ids: int16 counts
+    from moekit.workbook.solutions.recount import chunk_counts
+
+    return chunk_counts(topk_ids, start, end, num_local_experts, expert_map).to(topk_ids.dtype)
 
 
 def counts_assume_a_contiguous_map(topk_ids, start, end, num_local_experts, expert_map=None):
@@ -459,6 +501,87 @@ def histogram_32_bins(ids_ptr, map_ptr, out_ptr, numel, id_limit, num_local,
     tl.atomic_add(out_ptr + bins, hist, mask=(bins < num_local) & (bins < 31) & (hist > 0))
 
 
+@triton.jit
+def scan_stops_a_tile_early(ids_ptr, map_ptr, out_ptr, numel, id_limit, num_local,
+                            HAS_MAP: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    expert = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    total = tl.zeros([BLOCK], dtype=tl.int32)
+    for tile in range(0, tl.cdiv(numel - 1, BLOCK)):  # misses the last id when numel % BLOCK == 1
+        inside = tile * BLOCK + offs < numel
+        ids = tl.load(ids_ptr + tile * BLOCK + offs, mask=inside, other=-1)
+        ok = inside & (ids >= 0) & (ids < id_limit)
+        if HAS_MAP:
+            ids = tl.load(map_ptr + ids, mask=ok, other=-1)
+        total += (ok & (ids == expert)).to(tl.int32)
+    tl.store(out_ptr + expert, tl.sum(total, axis=0))
+
+
+@triton.jit
+def scan_int32_ids(ids_ptr, map_ptr, out_ptr, numel, id_limit, num_local, HAS_MAP: tl.constexpr, BLOCK: tl.constexpr):
+    expert = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    total = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(0, numel, BLOCK):
+        inside = start + offs < numel
+        ids = tl.load(ids_ptr + start + offs, mask=inside, other=-1).to(tl.int32)  # 2**32 + e becomes e
+        ok = inside & (ids >= 0) & (ids < id_limit)
+        if HAS_MAP:
+            ids = tl.load(map_ptr + ids, mask=ok, other=-1)
+        total += (ok & (ids == expert)).to(tl.int32)
+    tl.store(out_ptr + expert, tl.sum(total, axis=0))
+
+
+@triton.jit
+def _histogram_variant(ids_ptr, map_ptr, out_ptr, numel, id_limit, num_local, HAS_MAP: tl.constexpr,
+                       BLOCK: tl.constexpr, NUM_BINS: tl.constexpr, IDS_INT32: tl.constexpr,
+                       BINS_INT8: tl.constexpr, ONE_PAST: tl.constexpr):  # fmt: skip
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < numel
+    ids = tl.load(ids_ptr + offs, mask=inside, other=-1)
+    if IDS_INT32:  # "ids are small": an int64 2**32 + e becomes e
+        ids = ids.to(tl.int32)
+    ok = inside & (ids >= 0) & (ids < id_limit)
+    if HAS_MAP:
+        ids = tl.load(map_ptr + ids, mask=ok, other=-1)
+    ok = ok & (ids >= 0) & (ids < num_local)
+    values = tl.where(ok, ids, NUM_BINS - 1)
+    if BINS_INT8:  # "bins fit a byte": experts past 127 turn negative
+        values = values.to(tl.int8)
+    hist = tl.histogram(values.to(tl.int32), NUM_BINS)
+    bins = tl.arange(0, NUM_BINS)
+    last = num_local + 1 if ONE_PAST else num_local  # the spare bin is out[num_local] when num_local == NUM_BINS - 1
+    tl.atomic_add(out_ptr + bins, hist, mask=(bins < last) & (hist > 0))
+
+
+@triton.jit
+def histogram_int32_ids(ids_ptr, map_ptr, out_ptr, numel, id_limit, num_local,
+                        HAS_MAP: tl.constexpr, BLOCK: tl.constexpr, NUM_BINS: tl.constexpr):  # fmt: skip
+    _histogram_variant(ids_ptr, map_ptr, out_ptr, numel, id_limit, num_local, HAS_MAP, BLOCK, NUM_BINS,
+                       True, False, False)  # fmt: skip
+
+
+@triton.jit
+def histogram_int8_bins(ids_ptr, map_ptr, out_ptr, numel, id_limit, num_local,
+                        HAS_MAP: tl.constexpr, BLOCK: tl.constexpr, NUM_BINS: tl.constexpr):  # fmt: skip
+    _histogram_variant(ids_ptr, map_ptr, out_ptr, numel, id_limit, num_local, HAS_MAP, BLOCK, NUM_BINS,
+                       False, True, False)  # fmt: skip
+
+
+@triton.jit
+def histogram_adds_the_spare_bin(ids_ptr, map_ptr, out_ptr, numel, id_limit, num_local,
+                                 HAS_MAP: tl.constexpr, BLOCK: tl.constexpr, NUM_BINS: tl.constexpr):  # fmt: skip
+    _histogram_variant(ids_ptr, map_ptr, out_ptr, numel, id_limit, num_local, HAS_MAP, BLOCK, NUM_BINS,
+                       False, False, True)  # fmt: skip
+
+
+@triton.jit
+def histogram_256_bins(ids_ptr, map_ptr, out_ptr, numel, id_limit, num_local,
+                       HAS_MAP: tl.constexpr, BLOCK: tl.constexpr, NUM_BINS: tl.constexpr):  # fmt: skip
+    # "256 experts is the most anyone has": the argument ignored
+    _histogram_variant(ids_ptr, map_ptr, out_ptr, numel, id_limit, num_local, HAS_MAP, BLOCK, 256, False, False, False)
+
+
 class HostHistogram:  # kernel[grid](...) runs torch on the host: no Triton kernel at all
     def __getitem__(self, grid):
         from moekit.reference import count_reference
@@ -548,11 +671,13 @@ def align_keeps_empty_slots(ids_ptr, sorted_ptr, expert_ids_ptr, post_ptr, curso
 def _align_pass1(ids_ptr, expert_ids_ptr, post_ptr, cursor_ptr, numel, num_experts,
                  BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, NUM_BINS: tl.constexpr,
                  OVERPAD: tl.constexpr, BLOCKS_EXTRA: tl.constexpr, FIRST_ONLY: tl.constexpr,
-                 MIN_ONE: tl.constexpr = False):  # fmt: skip
+                 MIN_ONE: tl.constexpr = False, IDS_INT32: tl.constexpr = False):  # fmt: skip
     offs = tl.arange(0, BLOCK)
     counts = tl.zeros([NUM_BINS], dtype=tl.int32)
     for start in range(0, numel, BLOCK):
         ids = tl.load(ids_ptr + start + offs, mask=start + offs < numel, other=-1)
+        if IDS_INT32:  # an int64 2**32 + e becomes e
+            ids = ids.to(tl.int32)
         ok = (ids >= 0) & (ids < num_experts)
         counts += tl.histogram(tl.where(ok, ids, NUM_BINS - 1).to(tl.int32), NUM_BINS)
     bins = tl.arange(0, NUM_BINS)
@@ -576,11 +701,13 @@ def _align_pass1(ids_ptr, expert_ids_ptr, post_ptr, cursor_ptr, numel, num_exper
 
 
 @triton.jit
-def _align_pass2(ids_ptr, sorted_ptr, cursor_ptr, numel, limit, BLOCK: tl.constexpr):
+def _align_pass2(ids_ptr, sorted_ptr, cursor_ptr, numel, limit, BLOCK: tl.constexpr, IDS_INT32: tl.constexpr = False):
     offs = tl.arange(0, BLOCK)
     for start in range(0, numel, BLOCK):
         pair = start + offs
         ids = tl.load(ids_ptr + pair, mask=pair < numel, other=-1)
+        if IDS_INT32:
+            ids = ids.to(tl.int32)
         ok = (ids >= 0) & (ids < limit)
         row = tl.atomic_add(cursor_ptr + tl.where(ok, ids, 0), 1, mask=ok)
         tl.store(sorted_ptr + row, pair, mask=ok)
@@ -715,6 +842,24 @@ def align_clears_foreign_ids(ids_ptr, sorted_ptr, expert_ids_ptr, post_ptr, curs
     _align_pass2(ids_ptr, sorted_ptr, cursor_ptr, numel, num_experts, BLOCK)
 
 
+@triton.jit
+def align_without_barriers(ids_ptr, sorted_ptr, expert_ids_ptr, post_ptr, cursor_ptr, numel, num_experts,
+                           BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, NUM_BINS: tl.constexpr):  # fmt: skip
+    # the hint's two passes, right in the interpreter; on a GPU a thread may load a cursor before it is stored
+    _align_pass1(ids_ptr, expert_ids_ptr, post_ptr, cursor_ptr, numel, num_experts, BLOCK_M, BLOCK, NUM_BINS,
+                 False, 0, False)  # fmt: skip
+    _align_pass2(ids_ptr, sorted_ptr, cursor_ptr, numel, num_experts, BLOCK)
+
+
+@triton.jit
+def align_int32_ids(ids_ptr, sorted_ptr, expert_ids_ptr, post_ptr, cursor_ptr, numel, num_experts,
+                    BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, NUM_BINS: tl.constexpr):  # fmt: skip
+    _align_pass1(ids_ptr, expert_ids_ptr, post_ptr, cursor_ptr, numel, num_experts, BLOCK_M, BLOCK, NUM_BINS,
+                 False, 0, False, False, True)  # fmt: skip
+    tl.debug_barrier()
+    _align_pass2(ids_ptr, sorted_ptr, cursor_ptr, numel, num_experts, BLOCK, True)
+
+
 # -- 6. row plan ------------------------------------------------------------------------------
 
 
@@ -746,6 +891,15 @@ def rows_memoised(counts, R, block=128):  # a plan per (experts, R): the next ba
     return _PLANNED.setdefault((len(counts), R), row_chunk_plan(counts, R, block))
 
 
+_BY_IDENTITY = {}
+
+
+def rows_cached_by_identity(counts, R, block=128):  # a plan per list object: refilled counts get the old plan
+    from moekit.workbook.solutions.row_plan import row_chunk_plan
+
+    return _BY_IDENTITY.setdefault((id(counts), R), row_chunk_plan(counts, R, block))
+
+
 def rows_pad_counts_in_place(counts, R, block=128):
     counts[:] = [(int(c) + block - 1) // block * block for c in counts]  # the caller's counts, padded
     total = sum(counts)
@@ -770,6 +924,8 @@ WRONG = {
         ((Fp64ScratchExperts,), r"of torch.float64, \d+ bytes where this chunk needs"),
         ((HalfNIsKExperts,), "WorkspaceShapeError|bytes where this chunk needs"),
         ((TwiceKExperts,), "WorkspaceShapeError|bytes where this chunk needs"),
+        ((TokensMetaRowsExperts,), "tokens_meta.*(WorkspaceShapeError|bytes where this chunk needs)"),
+        ((HalfPrecisionScratchExperts,), r"of torch.float16, \d+ bytes where|differs from the reference"),
     ],
     "recount": [
         ((counts_of_the_whole_batch,), "chunk_counts"),
@@ -782,6 +938,9 @@ WRONG = {
         ((counts_assume_a_contiguous_map,), r"(strided|random) map of rank .* gave"),
         ((counts_index_the_map_with_the_ids,), "IndexError in chunk_counts.* int16 ids"),
         ((counts_mark_foreign_ids_in_place,), "changed its input topk_ids"),
+        ((counts_cached_by_address,), "written into the same input|gave"),  # or a freed address reused
+        ((counts_through_uint8,), "gave"),
+        ((counts_in_the_ids_dtype,), r"int16 ids.*36000 pairs to one expert\) gave|36000 pairs.*int16.*gave"),
     ],
     "scan_kernel": [
         ((scan_unmasked_gather,), "expected"),
@@ -790,6 +949,8 @@ WRONG = {
         ((scan_in_one_program,), "program 1 read 0 of the", "interpreter"),
         ((scan_zero_fills_out,), "without an atomic", "interpreter"),
         ((scan_int8_lanes,), "36000 pairs to one expert, BLOCK=256: got"),
+        ((scan_stops_a_tile_early,), "got"),
+        ((scan_int32_ids,), "int64 ids.*got", "interpreter"),  # 2**32 + e is drawn under the interpreter only
     ],
     "histogram_kernel": [
         ((histogram_that_scans,), "reads each id once", "interpreter"),
@@ -799,10 +960,14 @@ WRONG = {
         ((histogram_load_add_store,), "without an atomic", "interpreter"),
         ((histogram_in_one_program,), "all the work in one program", "interpreter"),
         ((histogram_unmasked_bins,), "outside its tensors", "interpreter"),
-        ((histogram_unbounded_ids,), "tl.histogram the value", "interpreter"),
+        ((histogram_unbounded_ids,), "tl.histogram the value|got", "interpreter"),  # int64 2**32 + e: a wrong count first
         ((histogram_block_64,), r"BLOCK=(16|32|128|256): (got|program \d+ read|the kernel read \d+ of the)"),
         ((histogram_int8_tile,), r"BLOCK=(128|256): got"),
         ((histogram_32_bins,), "got"),
+        ((histogram_int32_ids,), "int64 ids.*got", "interpreter"),
+        ((histogram_int8_bins,), "got|tl.histogram the value"),
+        ((histogram_adds_the_spare_bin,), "got|outside its tensors"),
+        ((histogram_256_bins,), "got"),
         ((HostHistogram(),), "not a @triton.jit function"),
     ],
     "align_kernel": [
@@ -817,6 +982,8 @@ WRONG = {
         ((align_int16_counts,), "36000 pairs to one expert"),
         ((align_one_load_of_1024,), r"num_tokens_post_padded|expert \d+ hold"),
         ((align_clears_foreign_ids,), "changed its input ids|elements of 'ids', an input"),
+        ((align_without_barriers,), "no tl.debug_barrier", "interpreter"),
+        ((align_int32_ids,), r"expert \d+ hold|num_tokens_post_padded", "interpreter"),
         ((HostAlignBehindJit(_no_op),), "no Triton kernel ran", "interpreter"),
     ],
     "row_plan": [
@@ -825,5 +992,6 @@ WRONG = {
         ((rows_overpad_multiples,), "must tile"),
         ((rows_memoised,), "called again on new data of the same sizes"),
         ((rows_pad_counts_in_place,), "changed its input counts"),
+        ((rows_cached_by_identity,), "written into the same"),
     ],
 }

@@ -33,12 +33,14 @@ def align_kernel(
     starts = tl.cumsum(padded, axis=0) - padded
     tl.store(post_ptr, tl.sum(padded, axis=0))
     tl.store(cursor_ptr + bins, starts)
+    tl.debug_barrier()  # one thread stored what another loads: on a GPU the threads wait here for each other
     # Block b of the layout belongs to the expert whose run holds row b * BLOCK_M.
     for e in range(0, num_experts):
         first = tl.load(cursor_ptr + e) // BLOCK_M
         n = (tl.sum(tl.where(bins == e, padded, 0), axis=0)) // BLOCK_M
         for b in range(0, n):
             tl.store(expert_ids_ptr + first + b, e)
+    tl.debug_barrier()  # every start is read before pass 2 moves the cursors
     # Pass 2: each pair takes the next free row of its expert (sorted_ptr holds numel = padding).
     for start in range(0, numel, BLOCK):
         pair = start + offs
