@@ -13,10 +13,11 @@ exercise's text allows (:mod:`moekit.workbook.cases`, freshly seeded on every ru
 edges always included: every ids dtype and kind of expert map, empty input, whole tiles, an
 expert past int16's limit, ...) and compares with :mod:`moekit.reference`. Every exercise's
 contract is checked on every run: inputs are read-only, and new data of the same sizes gets a
-new answer, also when it is written into the same tensor or list (a CUDA graph's static buffer). Where the exercise is about *how*, it checks how: views, not copies (scales too);
-the chunk's own rows; workspace bytes; and for the Triton kernels, that a ``@triton.jit``
-kernel did the work and what :func:`moekit.workbook.probes.watch_memory` saw each program read
-and write (each id read once, one tile per program, atomics where programs meet, work per id).
+new answer, also when it is written into the same tensor or list (a CUDA graph's static
+buffer). Where the exercise is about *how*, it checks how: views, not copies (scales too); the
+chunk's own rows; workspace bytes; and for the Triton kernels, that a ``@triton.jit`` kernel
+did the work and what :func:`moekit.workbook.probes.watch_memory` saw each program read and
+write (each id read once, one tile per program, atomics where programs meet, work per id).
 A failed check raises :class:`moekit.errors.ExerciseFailed` inside, its one line ending in the
 seed that replays it; :func:`check` prints that line (or re-raises with ``strict=True``).
 """
