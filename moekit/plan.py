@@ -380,4 +380,3 @@ class SlabPlan(Plan):
 
     def run(self, experts, call: ExpertsCall) -> str:
         return experts.apply(call)
-

@@ -43,15 +43,6 @@ require.
 
 from moekit.distributed.collectives import gather_objects, gather_traces, to_cpu
 from moekit.distributed.launcher import launch
-from moekit.distributed.process_group import BACKENDS, default_backend, init_from_env, torchrun_env
+from moekit.distributed.process_group import default_backend, init_from_env, torchrun_env
 
-__all__ = [
-    "BACKENDS",
-    "default_backend",
-    "gather_objects",
-    "gather_traces",
-    "init_from_env",
-    "launch",
-    "to_cpu",
-    "torchrun_env",
-]
+__all__ = ["default_backend", "gather_objects", "gather_traces", "init_from_env", "launch", "to_cpu", "torchrun_env"]

@@ -46,27 +46,32 @@ WRAP_BITS = 32 if interpreting() else 0  # ids of 2**32 + e: a GPU kernel that g
 INPUTS = ("ids", "map")  # what the kernels read and must never write (the align kernel takes no map)
 
 
-def _padded(t: torch.Tensor, margin: int) -> torch.Tensor:
-    """``t`` (1-D) inside a buffer with ``margin`` zeros on each side; returns the view of ``t``."""
-    return torch.nn.functional.pad(t.to(get_device()), (margin, margin))[margin : margin + t.numel()]
-
-
 def _require_kernel(what: str, kernel) -> None:
     if not is_triton_kernel(kernel):
         fail(f"{what} is a {type(kernel).__name__}, not a @triton.jit function: the exercise is a Triton kernel")
 
 
 def _launch(kernel, grid, case: str, tensors: dict, *sizes, margin: int, **meta):
-    """``kernel[grid](*tensors, *sizes, **meta)`` on copies of ``tensors`` padded by ``margin``
-    (a None tensor passes the ids in its place), watched under the interpreter; fails when it
-    changed one of the :data:`INPUTS`. Returns the copies by name, and the MemoryOps (None on a GPU)."""
-    bufs = {n: None if t is None else _padded(t.reshape(-1), margin) for n, t in tensors.items()}
+    """``kernel[grid](*tensors, *sizes, **meta)`` on copies of ``tensors``, each inside a buffer
+    with ``margin`` zeros on each side (a None tensor passes the ids in its place), watched under
+    the interpreter; fails when it changed one of the :data:`INPUTS` or wrote into a margin (on a
+    GPU; the interpreter's watch does not run stray lanes). Returns the copies by name, and the
+    MemoryOps (None on a GPU)."""
+    pad = {
+        n: torch.nn.functional.pad(t.reshape(-1).to(get_device()), (margin, margin))
+        for n, t in tensors.items()
+        if t is not None
+    }
+    bufs = {n: pad[n][margin:-margin] if n in pad else None for n in tensors}
     watched = watch_memory(**bufs) if interpreting() else contextlib.nullcontext(None)
     with watch_inputs(**{n: bufs[n] for n in INPUTS if n in bufs}) as changed, watched as ops:
         if grid[0]:
             kernel[grid](*(bufs["ids"] if t is None else t for t in bufs.values()), *sizes, **meta)
     if changed:
         fail(f"{case} changed its input {changed[0]}: inputs are read-only")
+    strays = [n for n, b in pad.items() if b[:margin].any() or b[-margin:].any()]
+    if strays:
+        fail(f"{case} wrote past its tensor '{strays[0]}' (into the zeros around it): mask every lane past a tensor")
     return bufs, ops
 
 
