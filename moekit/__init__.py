@@ -31,6 +31,7 @@ _LAZY = {
     "count_expert_num_tokens": "moekit.kernels.count",
     "fused_moe": "moekit.api",
     "owned_placement": "moekit.validate",
+    "owned_scale": "moekit.validate",
 }
 _SUBMODULES = {module.name for module in pkgutil.iter_modules(__path__)}  # api, cli, experts, ...
 

@@ -196,7 +196,8 @@ class ModularKernel:
             global_num_experts: E_global (defaults to the map's length, else E_local).
             w1_scale, w2_scale: 128x128 block scales for fp8 weights.
             a2_scale: optional static scale for requantizing the intermediate activations to fp8:
-                per-tensor (one element) or per-token ``[M]`` (sliced per chunk).
+                per-tensor (one element) or per-token ``[M]`` (sliced per chunk); its values are read
+                on every call, unless it is a ``moekit.owned_scale(scale)``.
 
         Raises:
             InvalidInputError, InvalidIdsError, QuantizationError: bad arguments (checked here,

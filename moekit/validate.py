@@ -8,6 +8,7 @@ kernel launchers) trust what they are handed.
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 
@@ -162,20 +163,10 @@ def check_moe_inputs(
             f"topk_ids and topk_weights must both be [M={M}, topk > 0], got {tuple(ids_shape)} "
             f"and {tuple(topk_weights.shape)}"
         )
-    where, meta = hidden.get_device(), hidden.is_meta  # get_device: -1 on the CPU (and meta), else the index
-    if (
-        w1.get_device() != where
-        or w2.get_device() != where
-        or topk_weights.get_device() != where
-        or topk_ids.get_device() != where
-        or meta != w1.is_meta
-        or meta != w2.is_meta
-        or meta != topk_weights.is_meta
-        or meta != topk_ids.is_meta
-    ):
-        names = ("hidden", "w1", "w2", "topk_weights", "topk_ids")
-        tensors = (hidden, w1, w2, topk_weights, topk_ids)
-        got = ", ".join(f"{n} on {t.device}" for n, t in zip(names, tensors, strict=True))
+    where = (hidden.get_device(), hidden.is_meta)  # get_device: -1 on the CPU (and meta), else the index
+    if any((t.get_device(), t.is_meta) != where for t in (w1, w2, topk_weights, topk_ids)):
+        tensors = {"hidden": hidden, "w1": w1, "w2": w2, "topk_weights": topk_weights, "topk_ids": topk_ids}
+        got = ", ".join(f"{n} on {t.device}" for n, t in tensors.items())
         raise InvalidInputError(f"all tensors must be on one device, got {got}")
     if torch.is_grad_enabled() and (
         hidden.requires_grad or w1.requires_grad or w2.requires_grad or topk_weights.requires_grad
@@ -218,10 +209,14 @@ def check_map_values(expert_map: torch.Tensor, num_local: int) -> None:
         )
 
 
+_OWNED_SCALES: weakref.WeakSet = weakref.WeakSet()  # what owned_scale made (gone with the tensor)
+
+
 def check_scale_values(scale: torch.Tensor, name: str) -> None:
     """A static scale divides activations: every value must be finite and > 0 (0 zeroes the layer,
-    NaN poisons it). Read on every call, as :func:`check_map_values` says why."""
-    if capturing(scale):
+    NaN poisons it). Read on every call, as :func:`check_map_values` says why, unless
+    :func:`owned_scale` made it."""
+    if capturing(scale) or scale in _OWNED_SCALES:
         return
     ok = torch.isfinite(scale) & (scale > 0)
     if scale.numel() and not bool(ok.all()):
@@ -242,6 +237,20 @@ def owned_placement(expert_map: torch.Tensor, num_local_experts: int) -> ExpertP
     copy = expert_map.detach().clone()  # checked after the copy: a later write to the caller's cannot reach it
     check_map_values(copy, num_local_experts)
     return ExpertPlacement(check_num_experts(copy.numel(), "global_num_experts"), num_local_experts, copy, owned=True)
+
+
+def owned_scale(scale: torch.Tensor) -> torch.Tensor:
+    """A static scale moekit owns (for ``a2_scale=``): a private copy of ``scale``, its values checked
+    once, here, so no forward (``ModularKernel``, ``moekit.fused_moe``, ``GraphedKernel``'s replays)
+    reads it back, where a scale passed as a caller's tensor is read on every call (on a GPU a
+    read-back that waits for the queue). The copy is moekit's: to change the scale, make a new
+    one (a write into the copy is not checked again). Raises what a forward would raise."""
+    if not isinstance(scale, torch.Tensor) or not scale.is_floating_point():
+        raise QuantizationError(f"a scale must be a floating-point tensor, got {type(scale).__name__}")
+    copy = scale.detach().clone()  # checked after the copy: a later write to the caller's cannot reach it
+    check_scale_values(copy, "a2_scale")
+    _OWNED_SCALES.add(copy)
+    return copy
 
 
 def check_owned(placement: ExpertPlacement, w1: torch.Tensor, global_num_experts, device) -> ExpertPlacement:

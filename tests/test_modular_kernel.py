@@ -614,6 +614,27 @@ def test_an_a2_scale_written_after_a_good_call_is_checked_again(write, value):
 
 
 @pytest.mark.interpreter
+def test_an_owned_scale_is_checked_once_and_follows_no_later_write(monkeypatch):
+    p = make_problem(5, E=4, topk=2, K=128, N=256, quant=moekit.QuantScheme.FP8_BLOCK, seed=28, device="cpu")
+    kernel = ModularKernel(NoEPPrepareFinalize(), TritonExperts(quant=moekit.QuantScheme.FP8_BLOCK))
+    a2 = torch.full((1,), 0.02)
+    owned = moekit.owned_scale(a2)
+    want = kernel(*p.inputs(), **p.options(), a2_scale=a2)
+    reads, isfinite = [], torch.isfinite
+    monkeypatch.setattr(torch, "isfinite", lambda t: reads.append(t) or isfinite(t))
+    a2.numpy()[:] = 0.0  # the caller's tensor changes (no version bump); the owned copy does not
+    assert torch.equal(kernel(*p.inputs(), **p.options(), a2_scale=owned), want)
+    assert reads == [], "an owned scale's values are not read again"
+    with pytest.raises(moekit.errors.QuantizationError, match=r"a2_scale values must be finite and > 0, got \[0.0\]"):
+        kernel(*p.inputs(), **p.options(), a2_scale=a2)  # a caller's tensor is read on every call
+    assert len(reads) == 1
+    with pytest.raises(moekit.errors.QuantizationError, match=r"got \[nan\]"):
+        moekit.owned_scale(torch.tensor([float("nan")]))
+    with pytest.raises(moekit.errors.QuantizationError, match="floating-point tensor, got list"):
+        moekit.owned_scale([0.5])
+
+
+@pytest.mark.interpreter
 def test_inference_mode_tensors_work_in_and_out_of_inference_mode():
     # Inference tensors have no version counter: a cache keyed on it raised a raw RuntimeError.
     with torch.inference_mode():

@@ -18,8 +18,9 @@ are; changing their values in place is fine, a new tensor is a new signature. Th
 with a signature is checked in full by ``ModularKernel``; a later call with the same signature
 skips the checks of shapes, dtypes and strides (already accepted), but reads the values of an
 ``expert_map`` and an ``a2_scale`` again (a small read-back each; not for a map passed as
-``moekit.owned_placement``): the caller may have written them since, and a replay runs no check
-of its own (ids are not range-checked on the GPU in either path).
+``moekit.owned_placement`` or a scale made by ``moekit.owned_scale``): the caller may have
+written them since, and a replay runs no check of its own (ids are not range-checked on the GPU
+in either path).
 
 Use it where the host is the limit (decode-sized M). Once the GPU is the limit it only adds the
 input and output copies (at M=16384 one H200 run even measured it slower than the plain call).

@@ -153,3 +153,22 @@ def test_an_owned_placement_replays_without_reading_its_values(monkeypatch):
     args = _fresh(p, 3)
     assert torch.equal(graphed(*args, expert_map=placement), plain(*args, expert_map=placement))
     assert graphed.last_mode == "replayed" and reads == []
+
+
+@pytest.mark.gpu
+@on_gpu
+def test_an_owned_scale_replays_without_reading_its_values(monkeypatch):
+    fp8 = moekit.QuantScheme.FP8_BLOCK
+    p = make_problem(8, E=8, topk=2, K=256, N=512, quant=fp8, device="cuda")
+    a2 = moekit.owned_scale(torch.full((1,), 0.02, device="cuda"))
+
+    def kernel():
+        return ModularKernel(NoEPPrepareFinalize(), TritonExperts(quant=fp8), trace_counts=False)
+
+    plain, graphed = kernel(), GraphedKernel(kernel())
+    graphed(*p.inputs(), **p.options(), a2_scale=a2)
+    reads, isfinite = [], torch.isfinite
+    monkeypatch.setattr(torch, "isfinite", lambda t: reads.append(t) or isfinite(t))
+    want = plain(*p.inputs(), **p.options(), a2_scale=a2)
+    assert torch.equal(graphed(*p.inputs(), **p.options(), a2_scale=a2), want)
+    assert graphed.last_mode == "replayed" and reads == []
