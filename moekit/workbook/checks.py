@@ -183,13 +183,15 @@ def check_recount(chunk_counts, *, sampler: Sampler) -> None:
             outside = other.ids.clone()
             outside[s:e] = first.ids[s:e]  # the chunk's rows as in `first`: its counts must be `first`'s
             for b, note in ((first, ""), (again, AGAIN), (replace(first, ids=outside), OTHER_ROWS), (first, REFILLED)):
-                if note == REFILLED:
-                    first.ids.copy_(sampler.batch(rt).ids)  # a cache keyed by the tensor (or its address) is stale
+                if note == REFILLED:  # a cache keyed by the tensor (or its address) is stale
+                    kept = first.ids.clone()
+                    first.ids.copy_(sampler.batch(rt).ids)
                 sampler.new_case(f"chunk_counts(rows [{s}, {e}) of {rt}){note}")
                 got = torch.as_tensor(_read_only(sampler, chunk_counts, names, b.ids, s, e, b.num_local, b.expert_map))
                 want = count_reference(b.ids[s:e], b.num_local, b.expert_map).long()
                 if not torch.equal(got.long(), want):  # compared as tensors: a wrong answer may be huge
                     fail(f"{sampler.case} gave {difference(got, want)}")
+            first.ids.copy_(kept)  # the next chunk is of the first ids again
 
 
 # ---------------------------------------------------------------------------------------------
