@@ -33,10 +33,6 @@ from moekit.types import WorkspaceShapes
 WORKSPACE_ALIGN = 256  # bytes; keeps workspace2 aligned for vector loads and TMA
 
 
-def _round_up(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
-
-
 def pool_device(device: torch.device | str) -> torch.device:
     """``device`` with its index: a bare ``cuda`` is the current GPU (``cuda:0`` and ``cuda`` are one pool)."""
     device = torch.device(device)
@@ -121,7 +117,7 @@ class WorkspacePool:
             return views
         item = shapes.itemsize
         n13, n2 = math.prod(shapes.workspace13), math.prod(shapes.workspace2)
-        off2 = _round_up(n13 * item, WORKSPACE_ALIGN)
+        off2 = -(-n13 * item // WORKSPACE_ALIGN) * WORKSPACE_ALIGN  # workspace2 starts aligned
         need = off2 + n2 * item
         self.peak_bytes = max(self.peak_bytes, need)
         if need > self._buffer.numel():

@@ -122,15 +122,16 @@ class Sampler:
         local[self.rng.sample(range(rt.E), rt.num_local)] = torch.arange(rt.num_local, dtype=rt.dtype)
         return local
 
-    def batch(self, rt: Routing, *, block: int = 16, wrap_bits: int = 16) -> Batch:
+    def batch(self, rt: Routing, *, block: int = 16, wrap_bits: int | None = None) -> Batch:
         """Fresh values for ``rt``: experts take 0, 1 or about a multiple of ``block`` pairs, one
         local expert takes ``rt.hot``, an eighth of the slots (at least 5, at most half) are ids
         that must not count, each kind in turn: -1, past E, past its bins, and a local expert
         plus 2**8, 2**16 or 2**32 (int16, int32 or int64 ids; at most ``2**wrap_bits``, none for
-        0), which a cast to a narrower int turns into that expert. (A torch bincount of 2**32
-        allocates 32 GiB, and a kernel on a GPU that gathers there faults: only the kernel checks
-        in the interpreter draw it.) The rest are uniform, and the last id is a local expert's
-        (a loop that stops a tile early misses it)."""
+        0), which a cast to a narrower int turns into that expert. By default 2**32 only with an
+        expert map: without one, a torch bincount of the raw ids would allocate 32 GiB (with one,
+        such code gathers the map first and fails by name). A kernel on a GPU that gathers there
+        faults: the kernel checks draw it in the interpreter only. The rest are uniform, and the
+        last id is a local expert's (a loop that stops a tile early misses it)."""
         r, E, n = self.rng, rt.E, rt.M * rt.topk
         emap = self.expert_map(rt)
         local = list(range(E)) if emap is None else (emap >= 0).nonzero().flatten().tolist()
@@ -139,7 +140,7 @@ class Sampler:
             if len(flat) >= n:
                 break
             flat += [e] * r.choice((0, 1, block - 1, block, block + 1, 3 * block))
-        bits = min(4 * rt.dtype.itemsize, wrap_bits)
+        bits = min(4 * rt.dtype.itemsize, wrap_bits if wrap_bits is not None else 16 if rt.map == "none" else 32)
         kinds = [-1, E, E + 3, num_bins(E) + 1] + [2**bits + r.choice(local)] * (bits > 0)
         bad = [kinds[j % len(kinds)] for j in range(min(n // 2, max(len(kinds), n // 8)))]
         flat = flat[: n - len(bad)] + bad

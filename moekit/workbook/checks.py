@@ -189,6 +189,8 @@ def check_recount(chunk_counts, *, sampler: Sampler) -> None:
                 sampler.new_case(f"chunk_counts(rows [{s}, {e}) of {rt}){note}")
                 got = torch.as_tensor(_read_only(sampler, chunk_counts, names, b.ids, s, e, b.num_local, b.expert_map))
                 want = count_reference(b.ids[s:e], b.num_local, b.expert_map).long()
+                if got.dtype not in (torch.int32, torch.int64):
+                    fail(f"{sampler.case} gave counts of {got.dtype}; counts are int32 or int64")
                 if not torch.equal(got.long(), want):  # compared as tensors: a wrong answer may be huge
                     fail(f"{sampler.case} gave {difference(got, want)}")
             first.ids.copy_(kept)  # the next chunk is of the first ids again

@@ -43,6 +43,7 @@ WORK_SLACK = 16  # element operations a one-pass count may spend per bin and pro
 # 256 ids: whole tiles of every BLOCK; 257: one id past them
 COUNT_EDGES = ({"M": 0}, {"M": 1, "E": 1}, {"M": 128, "topk": 2}, HOT_INT16, {"M": 257, "topk": 1, "E": 4})
 WRAP_BITS = 32 if interpreting() else 0  # ids of 2**32 + e: a GPU kernel that gathers there without its mask faults
+UNWRITTEN = -12345  # what the align's expert_ids hold before the kernel: -1 past the last block is a write too
 INPUTS = ("ids", "map")  # what the kernels read and must never write (the align kernel takes no map)
 
 
@@ -235,7 +236,7 @@ def check_align_kernel(kernel, *, sampler: Sampler) -> None:
         tensors = {
             "ids": ids,
             "sorted": torch.full((max(bound, 1),), numel, dtype=torch.int32),
-            "expert_ids": torch.full((max(bound // block_m + 1, 1),), -1, dtype=torch.int32),
+            "expert_ids": torch.full((max(bound // block_m + 1, 1),), UNWRITTEN, dtype=torch.int32),
             "post": torch.zeros(1, dtype=torch.int32),
             "cursor": torch.zeros(bins, dtype=torch.int32),
         }
@@ -264,7 +265,7 @@ def check_align_kernel(kernel, *, sampler: Sampler) -> None:
                 f"{sampler.case}: expert_ids of the {blocks} blocks: block {bad} holds {int(eid[bad])}, "
                 f"expected {int(want_blocks[bad])}"
             )
-        if (srt[total:] != numel).any() or (eid[blocks:] != -1).any():
+        if (srt[total:] != numel).any() or (eid[blocks:] != UNWRITTEN).any():
             fail(
                 f"{sampler.case}: wrote past num_tokens_post_padded={total} (sorted rows or expert_ids "
                 "after the last block): those rows belong to no expert"

@@ -13,6 +13,7 @@ import triton.language as tl
 
 from moekit.types import WorkspaceShapes
 from moekit.workbook.backends import GatedTorchExperts
+from moekit.workbook.solutions.align import align_kernel
 from moekit.workbook.solutions.chunk_plan import chunk_inputs, chunk_plan
 
 # -- 1. the chunk plan ------------------------------------------------------------------------
@@ -205,6 +206,19 @@ def counts_in_the_ids_dtype(topk_ids, start, end, num_local_experts, expert_map=
     from moekit.workbook.solutions.recount import chunk_counts
 
     return chunk_counts(topk_ids, start, end, num_local_experts, expert_map).to(topk_ids.dtype)
+
+
+def counts_through_int32(topk_ids, start, end, num_local_experts, expert_map=None):  # .int(): 2**32 + e is e
+    from moekit.workbook.solutions.recount import chunk_counts
+
+    ids = topk_ids[start:end].int()
+    return chunk_counts(ids, 0, ids.shape[0], num_local_experts, None if expert_map is None else expert_map.int())
+
+
+def counts_as_floats(topk_ids, start, end, num_local_experts, expert_map=None):  # torch.histc-style float counts
+    from moekit.workbook.solutions.recount import chunk_counts
+
+    return chunk_counts(topk_ids, start, end, num_local_experts, expert_map).float()
 
 
 def counts_assume_a_contiguous_map(topk_ids, start, end, num_local_experts, expert_map=None):
@@ -860,6 +874,16 @@ def align_int32_ids(ids_ptr, sorted_ptr, expert_ids_ptr, post_ptr, cursor_ptr, n
     _align_pass2(ids_ptr, sorted_ptr, cursor_ptr, numel, num_experts, BLOCK, True)
 
 
+@triton.jit
+def align_marks_the_next_block(ids_ptr, sorted_ptr, expert_ids_ptr, post_ptr, cursor_ptr, numel, num_experts,
+                               BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, NUM_BINS: tl.constexpr):  # fmt: skip
+    # the solution, then -1 ("no expert") in the block after the last: a write past num_tokens_post_padded
+    align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, post_ptr, cursor_ptr, numel, num_experts,
+                 BLOCK_M, BLOCK, NUM_BINS)  # fmt: skip
+    tl.debug_barrier()
+    tl.store(expert_ids_ptr + tl.load(post_ptr) // BLOCK_M, -1)
+
+
 # -- 6. row plan ------------------------------------------------------------------------------
 
 
@@ -934,13 +958,15 @@ WRONG = {
         ((counts_extra_bins,), "expected"),
         ((counts_at_least_one_row,), r"\[(\d+), \1\)"),
         ((counts_memoised,), "called again on new data of the same sizes"),
-        ((counts_in_int16,), r"36000 pairs to one expert\) gave"),
+        ((counts_in_int16,), "counts of torch.int16; counts are int32 or int64"),
         ((counts_assume_a_contiguous_map,), r"(strided|random) map of rank .* gave"),
         ((counts_index_the_map_with_the_ids,), "IndexError in chunk_counts.* int16 ids"),
         ((counts_mark_foreign_ids_in_place,), "changed its input topk_ids"),
         ((counts_cached_by_address,), "written into the same input|gave"),  # or a freed address reused
         ((counts_through_uint8,), "gave"),
-        ((counts_in_the_ids_dtype,), r"int16 ids.*36000 pairs to one expert\) gave|36000 pairs.*int16.*gave"),
+        ((counts_through_int32,), "map of rank .* gave"),  # 2**32 + e is drawn with a map
+        ((counts_as_floats,), "counts of torch.float32; counts are int32 or int64"),
+        ((counts_in_the_ids_dtype,), "counts of torch.int16; counts are int32 or int64"),
     ],
     "scan_kernel": [
         ((scan_unmasked_gather,), "expected"),
@@ -983,6 +1009,7 @@ WRONG = {
         ((align_one_load_of_1024,), r"num_tokens_post_padded|expert \d+ hold"),
         ((align_clears_foreign_ids,), "changed its input ids|elements of 'ids', an input"),
         ((align_without_barriers,), "no tl.debug_barrier", "interpreter"),
+        ((align_marks_the_next_block,), "wrote past num_tokens_post_padded"),
         ((align_int32_ids,), r"expert \d+ hold|num_tokens_post_padded", "interpreter"),
         ((HostAlignBehindJit(_no_op),), "no Triton kernel ran", "interpreter"),
     ],
