@@ -209,14 +209,14 @@ def check_map_values(expert_map: torch.Tensor, num_local: int) -> None:
         )
 
 
-_OWNED_SCALES: weakref.WeakSet = weakref.WeakSet()  # what owned_scale made (gone with the tensor)
+_OWNED_SCALES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> what owned_scale made
 
 
 def check_scale_values(scale: torch.Tensor, name: str) -> None:
     """A static scale divides activations: every value must be finite and > 0 (0 zeroes the layer,
     NaN poisons it). Read on every call, as :func:`check_map_values` says why, unless
     :func:`owned_scale` made it."""
-    if capturing(scale) or scale in _OWNED_SCALES:
+    if capturing(scale) or _OWNED_SCALES.get(id(scale)) is scale:  # by identity: == on tensors is elementwise
         return
     ok = torch.isfinite(scale) & (scale > 0)
     if scale.numel() and not bool(ok.all()):
@@ -249,7 +249,7 @@ def owned_scale(scale: torch.Tensor) -> torch.Tensor:
         raise QuantizationError(f"a scale must be a floating-point tensor, got {type(scale).__name__}")
     copy = scale.detach().clone()  # checked after the copy: a later write to the caller's cannot reach it
     check_scale_values(copy, "a2_scale")
-    _OWNED_SCALES.add(copy)
+    _OWNED_SCALES[id(copy)] = copy
     return copy
 
 

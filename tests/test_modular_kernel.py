@@ -628,6 +628,15 @@ def test_an_owned_scale_is_checked_once_and_follows_no_later_write(monkeypatch):
     with pytest.raises(moekit.errors.QuantizationError, match=r"a2_scale values must be finite and > 0, got \[0.0\]"):
         kernel(*p.inputs(), **p.options(), a2_scale=a2)  # a caller's tensor is read on every call
     assert len(reads) == 1
+    per_token = torch.rand(5) + 0.01  # many elements: an owned scale is found by identity, never by ==
+    with torch.inference_mode():
+        inference = moekit.owned_scale(torch.full((1,), 0.02))
+    scales = (moekit.owned_scale(per_token), inference)
+    reads.clear()  # (owned_scale reads its copy once)
+    for scale in scales:
+        owned = kernel(*p.inputs(), **p.options(), a2_scale=scale)
+        assert torch.equal(owned, kernel(*p.inputs(), **p.options(), a2_scale=scale.clone()))
+    assert len(reads) == 2, "only the plain clones were read"
     with pytest.raises(moekit.errors.QuantizationError, match=r"got \[nan\]"):
         moekit.owned_scale(torch.tensor([float("nan")]))
     with pytest.raises(moekit.errors.QuantizationError, match="floating-point tensor, got list"):

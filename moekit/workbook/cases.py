@@ -124,10 +124,11 @@ class Sampler:
 
     def batch(self, rt: Routing, *, block: int = 16, wrap_bits: int | None = None) -> Batch:
         """Fresh values for ``rt``: experts take 0, 1 or about a multiple of ``block`` pairs, one
-        local expert takes ``rt.hot``, an eighth of the slots (at least 5, at most half) are ids
-        that must not count, each kind in turn: -1, past E, past its bins, and a local expert
-        plus 2**8, 2**16 or 2**32 (int16, int32 or int64 ids; at most ``2**wrap_bits``, none for
-        0), which a cast to a narrower int turns into that expert. By default 2**32 only with an
+        local expert takes ``rt.hot``, an eighth of the slots (at least 5, at most half; one of
+        two or three ids) are ids that must not count, each kind in turn: a local expert plus 2**8,
+        2**16 or 2**32 (int16, int32 or int64 ids; at most ``2**wrap_bits``, none for 0), which a
+        cast to a narrower int turns into that expert (with int16 ids and E > 256 it may be another
+        valid expert), -1, past E and past its bins. By default 2**32 only with an
         expert map: without one, a torch bincount of the raw ids would allocate 32 GiB (with one,
         such code gathers the map first and fails by name). A kernel on a GPU that gathers there
         faults: the kernel checks draw it in the interpreter only. The rest are uniform, and the
@@ -141,12 +142,13 @@ class Sampler:
                 break
             flat += [e] * r.choice((0, 1, block - 1, block, block + 1, 3 * block))
         bits = min(4 * rt.dtype.itemsize, wrap_bits if wrap_bits is not None else 16 if rt.map == "none" else 32)
-        kinds = [-1, E, E + 3, num_bins(E) + 1] + [2**bits + r.choice(local)] * (bits > 0)
+        # the wrapped id first: a batch of two or three ids keeps it
+        kinds = [2**bits + r.choice(local)] * (bits > 0) + [-1, E, E + 3, num_bins(E) + 1]
         bad = [kinds[j % len(kinds)] for j in range(min(n // 2, max(len(kinds), n // 8)))]
-        flat = flat[: n - len(bad)] + bad
-        flat += [r.randrange(E) for _ in range(n - len(flat))]
+        flat = flat[: max(n - 1 - len(bad), 0)] + bad
+        flat += [r.randrange(E) for _ in range(n - 1 - len(flat))]
         r.shuffle(flat)
-        flat = flat[:-1] + [r.choice(local)] * bool(flat)  # the last id counts
+        flat += [r.choice(local)] * bool(n)  # the last id counts
         return Batch(rt, torch.tensor(flat, dtype=torch.int64).view(rt.M, rt.topk).to(rt.dtype), emap, rt.num_local)
 
     def ranges(self, M: int) -> list[tuple[int, int]]:

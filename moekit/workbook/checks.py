@@ -158,9 +158,9 @@ def check_workspace_shapes(experts_class, *, sampler: Sampler) -> None:
             if not need <= got < 2 * need or c.needed.dtype != dtype:
                 fail(
                     f"{sampler.case}, chunk {c.index} ({c.M} tokens): declared {c.needed.workspace13} and "
-                    f"{c.needed.workspace2} of {c.needed.dtype}, {got} bytes where this chunk needs {need}: size "
-                    "each buffer by this chunk's own problem (its M and topk, not the batch's or its local "
-                    "pairs), in act_dtype"
+                    f"{c.needed.workspace2} of {c.needed.dtype} (act_dtype {dtype}), {got} bytes where this chunk "
+                    f"needs {need}: size each buffer by this chunk's own problem (its M and topk, not the batch's "
+                    "or its local pairs), in act_dtype"
                 )
 
 

@@ -42,7 +42,7 @@ PROGRAMS = 120  # at most this many programs (or scan steps, per expert) per dra
 WORK_SLACK = 16  # element operations a one-pass count may spend per bin and program
 # 256 ids: whole tiles of every BLOCK; 257: one id past them
 COUNT_EDGES = ({"M": 0}, {"M": 1, "E": 1}, {"M": 128, "topk": 2}, HOT_INT16, {"M": 257, "topk": 1, "E": 4})
-WRAP_BITS = 32 if interpreting() else 0  # ids of 2**32 + e: a GPU kernel that gathers there without its mask faults
+WRAP_BITS = 32 if interpreting() else 0  # ids of 2**b + e (b = 8, 16, 32): a GPU kernel gathering there unmasked faults
 UNWRITTEN = -12345  # what the align's expert_ids hold before the kernel: -1 past the last block is a write too
 INPUTS = ("ids", "map")  # what the kernels read and must never write (the align kernel takes no map)
 
@@ -277,8 +277,8 @@ def check_align_kernel(kernel, *, sampler: Sampler) -> None:
     if unordered:  # on a GPU each lane is a thread: one thread's store is not ordered before another's load
         case, t, program, i = unordered
         fail(
-            f"{case}: program {program} wrote {t}[{i}] and read it (or read, then wrote it) with no tl.debug_barrier() "
-            "between: on a GPU another of its threads may get there first; the interpreter runs one op at a time"
+            f"{case}: program {program} touched {t}[{i}] by a store, load or atomic, then by another kind, with no "
+            "tl.debug_barrier() between: on a GPU another of its threads may get there first (unseen here)"
         )
 
 

@@ -945,11 +945,11 @@ WRONG = {
         ((FlatOutputExperts,), "IndexError"),
         ((HalfWidthExperts,), "WorkspaceShapeError"),
         ((WholeBatchExperts,), "bytes where this chunk needs"),
-        ((Fp64ScratchExperts,), r"of torch.float64, \d+ bytes where this chunk needs"),
+        ((Fp64ScratchExperts,), r"of torch.float64 \(act_dtype [^)]*\), \d+ bytes where this chunk needs"),
         ((HalfNIsKExperts,), "WorkspaceShapeError|bytes where this chunk needs"),
         ((TwiceKExperts,), "WorkspaceShapeError|bytes where this chunk needs"),
         ((TokensMetaRowsExperts,), "tokens_meta.*(WorkspaceShapeError|bytes where this chunk needs)"),
-        ((HalfPrecisionScratchExperts,), r"of torch.float16, \d+ bytes where|differs from the reference"),
+        ((HalfPrecisionScratchExperts,), r"of torch.float16 \(act_dtype|differs from the reference"),
     ],
     "recount": [
         ((counts_of_the_whole_batch,), "chunk_counts"),
@@ -1019,6 +1019,6 @@ WRONG = {
         ((rows_overpad_multiples,), "must tile"),
         ((rows_memoised,), "called again on new data of the same sizes"),
         ((rows_pad_counts_in_place,), "changed its input counts"),
-        ((rows_cached_by_identity,), "written into the same"),
+        ((rows_cached_by_identity,), "written into the same|must tile|suffice|every chunk"),  # or an id reused
     ],
 }
