@@ -329,9 +329,9 @@ class ExpertPlacement:
 class KernelLaunch:
     """One Triton launch as data, ``kernel[grid](*args, **consts)``: what a kernel's launcher works out.
 
-    :meth:`run` launches it as the Triton tutorials do. The Hopper wing runs the same launch again
-    without Triton's per-call argument binding (``moekit.hopper.launch.run_lean``), so the book's
-    kernels need no second launcher there.
+    :meth:`run` launches it as the Triton tutorials do. The Hopper wing runs the same record again
+    without Triton's per-call argument binding (its lean launcher), so the book's kernels need no
+    second launcher there.
     """
 
     kernel: object
