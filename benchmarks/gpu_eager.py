@@ -145,6 +145,27 @@ def layer_rows(w1, w2, calls: int, quick: bool) -> list[dict]:
     return rows
 
 
+def fused_moe_rows(w1, w2, calls: int) -> list[dict]:
+    """``moekit.fused_moe`` as users call it: on a GPU it replays a graph per signature up to
+    ``moekit.api.REPLAY_MAX_TOKENS`` tokens (a checkout without it runs the plain forward)."""
+    rows = []
+    for M in (1, 8, 128):
+        sets = [inputs(M, w1, seed) for seed in range(SETS)]
+        fns = [lambda s=s: moekit.fused_moe(s[0], w1, w2, s[1], s[2]) for s in sets]
+        row = {"case": "fused_moe", "M": M, "chunks": 1, "eager_us": wall_us(fns, calls),
+               "graph_us": graph_us(fns, calls), "host_us": host_us(fns[0])}  # fmt: skip
+        row["eager_over_graph"] = row["eager_us"] / row["graph_us"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    for C in (128, 64, 32, 16):
+        s = inputs(128, w1, 0)
+        fn = lambda C=C, s=s: moekit.fused_moe(s[0], w1, w2, s[1], s[2], chunk_size=C)
+        row = {"case": "fused_moe host per chunk", "M": 128, "C": C, "chunks": 128 // C, "host_us": host_us(fn)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def rows_rows(w1, w2, calls: int) -> list[dict]:
     out = []
     sets = [inputs(16384, w1, seed) for seed in range(SETS)]
@@ -212,7 +233,7 @@ def main() -> int:
     print(json.dumps(result), flush=True)
     w1, w2 = weights()
     with torch.no_grad():
-        result["rows"] = layer_rows(w1, w2, ARGS.calls, ARGS.quick)
+        result["rows"] = layer_rows(w1, w2, ARGS.calls, ARGS.quick) + fused_moe_rows(w1, w2, ARGS.calls)
         if not ARGS.quick:
             result["rows"] += rows_rows(w1, w2, ARGS.calls)
         if ARGS.hf:

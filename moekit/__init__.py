@@ -6,6 +6,7 @@ before any ``@triton.jit`` kernel is defined.
 
 import importlib  # noqa: I001  (moekit's own imports are in their order: moekit.device first)
 import pkgutil
+import sys
 
 from moekit import device  # must come first: sets TRITON_INTERPRET
 from moekit import errors, quant, reference, routing
@@ -36,14 +37,24 @@ _LAZY = {
 _SUBMODULES = {module.name for module in pkgutil.iter_modules(__path__)}  # api, cli, experts, ...
 
 
-def __getattr__(name):
-    if name in _SUBMODULES:
-        return importlib.import_module(f"moekit.{name}")
-    if name not in _LAZY:
-        raise AttributeError(f"module 'moekit' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
+def lazy_attributes(package: str, names: dict[str, str], submodules=()):
+    """A module ``__getattr__`` for ``package`` (moekit's and its subpackages'): ``name`` in ``names`` is
+    imported from module ``names[name]`` on first use, then kept in the package; a name in
+    ``submodules`` is that submodule."""
+
+    def __getattr__(name):
+        if name in submodules:
+            return importlib.import_module(f"{package}.{name}")
+        if name not in names:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(names[name]), name)
+        setattr(sys.modules[package], name, value)
+        return value
+
+    return __getattr__
+
+
+__getattr__ = lazy_attributes(__name__, _LAZY, _SUBMODULES)
 
 
 __all__ = [*_LAZY, "device", "errors", "quant", "reference", "routing"]

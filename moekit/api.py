@@ -17,6 +17,7 @@ from moekit.plan import validate_chunk_size
 from moekit.prepare_finalize.no_ep import NoEPPrepareFinalize
 from moekit.quant import FP8
 from moekit.types import QuantScheme
+from moekit.validate import check_flag
 from moekit.workspace import pool_device, shared_pool
 
 # The one registry of short names (Standard-format experts only), wherever a name is accepted:
@@ -29,6 +30,9 @@ BY_NAME = {
     "triton_or_deep_gemm": "TritonOrDeepGemmExperts",
     "grouped_mm": "GroupedMMExperts",
 }
+# fused_moe replays a CUDA graph per signature up to this many tokens, and keeps at most REPLAY_GRAPHS
+# graphs per kernel (moekit.hopper.graphed.GraphedKernel): below it the host is the limit.
+REPLAY_MAX_TOKENS, REPLAY_GRAPHS = 128, 128
 
 
 def experts_class(name: str, *, among: Collection[str] = BY_NAME, what: str = "experts") -> type[Experts]:
@@ -57,9 +61,10 @@ def experts_class(name: str, *, among: Collection[str] = BY_NAME, what: str = "e
 
 
 class KernelCache:
-    """The modular kernels behind :func:`fused_moe`, one per (experts, chunk size, scheme, device): the
-    ``size`` most recently used are kept (a kernel holds no memory of its own: the workspace pool of
-    its device is shared). Thread-safe: two threads asking for one key get one kernel.
+    """The modular kernels behind :func:`fused_moe`, one per (experts, chunk size, scheme, device,
+    replay): the ``size`` most recently used are kept (a kernel holds no memory of its own: the
+    workspace pool of its device is shared; a replaying one holds its graphs' buffers). Thread-safe:
+    two threads asking for one key get one kernel.
     """
 
     def __init__(self, size: int = 16):
@@ -67,25 +72,32 @@ class KernelCache:
         self._kernels: OrderedDict[tuple, ModularKernel] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, experts: str, chunk_size: int | None, quant: QuantScheme, device: torch.device) -> ModularKernel:
-        """The kernel for these settings, made on first ask (on the shared pool of ``device``)."""
-        key = (experts, chunk_size, quant, str(pool_device(device)))
+    def get(
+        self, experts: str, chunk_size: int | None, quant: QuantScheme, device: torch.device, *, replay: bool = False
+    ):
+        """The kernel for these settings, made on first ask (on the shared pool of ``device``); with
+        ``replay``, inside a :class:`~moekit.hopper.graphed.GraphedKernel`."""
+        key = (experts, chunk_size, quant, pool_device(device), replay)
         with self._lock:
             if key not in self._kernels:
-                self._kernels[key] = ModularKernel(
+                kernel = ModularKernel(
                     NoEPPrepareFinalize(),
                     experts_class(experts)(quant=quant),
                     chunk_size=chunk_size,
                     trace_counts=False,
                     pool=shared_pool(device),
                 )
+                if replay:
+                    graphed = importlib.import_module("moekit.hopper.graphed").GraphedKernel
+                    kernel = graphed(kernel, max_graphs=REPLAY_GRAPHS, max_tokens=REPLAY_MAX_TOKENS)
+                self._kernels[key] = kernel
             self._kernels.move_to_end(key)
             while len(self._kernels) > self.size:
                 self._kernels.popitem(last=False)
             return self._kernels[key]
 
-    def kernels(self) -> list[ModularKernel]:
-        """The kernels kept now, least recently used first."""
+    def kernels(self) -> list:
+        """The kernels kept now (a ModularKernel, or a GraphedKernel around one), least recently used first."""
         with self._lock:
             return list(self._kernels.values())
 
@@ -106,6 +118,7 @@ def fused_moe(
     global_num_experts: int | None = None,
     w1_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
+    replay: bool = True,
 ) -> torch.Tensor:
     """Run one MoE layer: ``[M, K] -> [M, K]``.
 
@@ -123,6 +136,11 @@ def fused_moe(
         expert_map, global_num_experts: expert parallelism within one process (see
             :class:`moekit.ModularKernel`).
         w1_scale, w2_scale: fp8 block scales.
+        replay: on a CUDA GPU, up to :data:`REPLAY_MAX_TOKENS` tokens, replay a CUDA graph per
+            signature (:class:`moekit.hopper.graphed.GraphedKernel`, which says what it keeps:
+            the first call with a shape runs the plain forward and captures, M rounds up to a power
+            of two, the weights stay where they are); the same result within the dtype's tolerance,
+            without the host's cost of five launches. False: always the plain forward.
 
     Raises:
         ChunkSizeError, InvalidInputError, InvalidIdsError, QuantizationError: bad arguments
@@ -134,10 +152,12 @@ def fused_moe(
         out = moekit.fused_moe(x, w1, w2, weights, ids, chunk_size=64)
     """
     chunk_size = validate_chunk_size(chunk_size)  # before the cache: True == 1 and 4.0 == 4 as keys
-    experts_class(experts)
+    if not isinstance(experts, str) or experts not in BY_NAME:  # (a known name is checked where its kernel is made)
+        experts_class(experts)  # raises, naming the choices
+    replay = check_flag(replay, "replay")
     quant = QuantScheme.FP8_BLOCK if isinstance(w1, torch.Tensor) and w1.dtype == FP8 else QuantScheme.NONE
     device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
-    kernel = KERNELS.get(experts, chunk_size, quant, device)
+    kernel = KERNELS.get(experts, chunk_size, quant, device, replay=replay and device.type == "cuda")
     return kernel(
         hidden,
         w1,

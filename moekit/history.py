@@ -39,7 +39,6 @@ ranks join even with no tokens, as upstream's DeepEP ranks did) runs in one proc
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 
@@ -48,7 +47,7 @@ from moekit.kernels.host_math import cdiv
 from moekit.plan import TokenPlanner, slice_scales
 from moekit.types import WorkspaceShapes
 from moekit.validate import check_flag, check_positive_int
-from moekit.workspace import WORKSPACE_ALIGN, WorkspacePool
+from moekit.workspace import WorkspacePool, pool_bytes
 
 # VLLM_FUSED_MOE_CHUNK_SIZE's default at runtime from #7995 (34a0e96d4, 2024-08-30; 65536 since #6029,
 # 12a59959e) until #27426 (1840c5cb1, 2025-11-21) lowered it to 16384; its type stub said 64 * 1024 until then.
@@ -132,12 +131,6 @@ class TokenPlannerBefore29935(TokenPlanner):
 
 class WorkspaceLockedError(MoekitError, RuntimeError):
     """A locked :class:`LockablePool` was asked for more bytes than it holds."""
-
-
-def pool_bytes(shapes: WorkspaceShapes) -> int:
-    """Bytes a :class:`moekit.workspace.WorkspacePool` needs for ``shapes`` (workspace2 starts aligned)."""
-    n13, n2, item = math.prod(shapes.workspace13), math.prod(shapes.workspace2), shapes.itemsize
-    return -(-n13 * item // WORKSPACE_ALIGN) * WORKSPACE_ALIGN + n2 * item
 
 
 class LockablePool(WorkspacePool):

@@ -145,6 +145,29 @@ class Batch:
     a2_scale: torch.Tensor | None
     guard: bool
 
+    def call(self, chunk, output, hidden, scale, ids, problem, buffers, shapes, counts, meta, a2) -> ExpertsCall:
+        """The :class:`~moekit.types.ExpertsCall` of one chunk of this batch: its rows (``hidden``, their
+        ``scale`` and ``ids``, sized ``problem``), where they go, its buffers, counts and metadata; the
+        weights, placement and guard are the batch's. Every plan (and ``moekit.testing.experts_call``)
+        builds its calls here."""
+        return ExpertsCall(
+            chunk=chunk,
+            output=output,
+            hidden=hidden,
+            hidden_scale=scale,
+            topk_ids=ids,
+            weights=self.weights,
+            workspace13=buffers.workspace13,
+            workspace2=buffers.workspace2,
+            problem=problem,
+            shapes=shapes,
+            placement=self.placement,
+            counts=counts,
+            tokens_meta=meta,
+            a2_scale=a2,
+            guard=self.guard,
+        )
+
 
 class Plan:
     """What every plan does the same way; subclasses say how a chunk is sized, handed and run.
@@ -169,28 +192,8 @@ class Plan:
         """The whole batch, unsliced; the chunk names the rows to compute (rows and slabs: token
         chunks slice instead)."""
         pr, b = self.batch.prepared, self.batch
-        return self._call(
+        return b.call(
             chunk, self.output, pr.a1q, pr.a1q_scale, pr.topk_ids, b.problem, buffers, shapes, counts, meta, b.a2_scale
-        )
-
-    def _call(self, chunk, output, hidden, scale, ids, problem, buffers, shapes, counts, meta, a2) -> ExpertsCall:
-        b = self.batch
-        return ExpertsCall(
-            chunk=chunk,
-            output=output,
-            hidden=hidden,
-            hidden_scale=scale,
-            topk_ids=ids,
-            weights=b.weights,
-            workspace13=buffers.workspace13,
-            workspace2=buffers.workspace2,
-            problem=problem,
-            shapes=shapes,
-            placement=b.placement,
-            counts=counts,
-            tokens_meta=meta,
-            a2_scale=a2,
-            guard=b.guard,
         )
 
 
@@ -257,7 +260,7 @@ class TokenPlan(Plan):
         if b.guard and out.shape != shapes.output:
             raise WorkspaceShapeError(self._output_message(chunk, shapes, out))
         problem = self.sizes[chunk.index]
-        return self._call(chunk, out, hidden, scale, ids, problem, buffers, shapes, counts, meta, a2)
+        return b.call(chunk, out, hidden, scale, ids, problem, buffers, shapes, counts, meta, a2)
 
     def run(self, experts, call: ExpertsCall) -> str:
         return experts.apply(call)

@@ -83,8 +83,7 @@ def skewed_router(M: int, E: int, topk: int, *, skew: float = 1.2, seed: int = 0
     g = torch.Generator().manual_seed(seed)
     rank = torch.randperm(E, generator=g).double()
     popularity = 1.0 / (rank + 1.0) ** float(skew)
-    r = _from_scores(popularity.expand(M, E).contiguous(), topk, g)
-    return _to(r, device)
+    return _to(_from_scores(popularity.expand(M, E).contiguous(), topk, g), device)
 
 
 def hot_expert_router(
@@ -98,11 +97,7 @@ def hot_expert_router(
     r = _from_scores(torch.ones(M, E, dtype=torch.float64), topk, g)
     ids = r.topk_ids.long()
     chosen = torch.rand(M, generator=g) < fraction
-    for m in torch.nonzero(chosen).flatten().tolist():
-        row = ids[m]
-        if (row == hot).any():
-            continue
-        row[0] = hot
+    ids[chosen & ~(ids == hot).any(dim=1), 0] = hot  # a chosen row that lacks the hot expert takes it in slot 0
     return _to(Routing(r.topk_weights, ids.to(torch.int32).contiguous()), device)
 
 

@@ -23,7 +23,7 @@ import torch
 
 from moekit.device import get_device
 from moekit.errors import InvalidInputError
-from moekit.plan import SlabChunk, TokenChunk
+from moekit.plan import Batch, SlabChunk, TokenChunk
 from moekit.quant import (
     FP8,
     FP8_GROUP,
@@ -273,20 +273,9 @@ def experts_call(
             t.fill_(fill)
     counts = experts.count_tokens(topk_ids, placement) if experts.uses_tokens_meta and hidden.dim() == 2 else None
     chunk = (SlabChunk if hidden.dim() == 3 else TokenChunk)(0, 0, rows)
-    return ExpertsCall(
-        chunk,
-        output,
-        hidden,
-        hidden_scale,
-        topk_ids,
-        weights,
-        buffers.workspace13,
-        buffers.workspace2,
-        problem,
-        shapes,
-        placement,
-        counts,
-        tokens_meta,
+    batch = Batch(None, weights, placement, problem, output.dtype, a2_scale=None, guard=True)  # no prepare ran
+    return batch.call(
+        chunk, output, hidden, hidden_scale, topk_ids, problem, buffers, shapes, counts, tokens_meta, None
     )
 
 

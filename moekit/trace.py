@@ -114,19 +114,8 @@ class Trace:
         expert_bytes: int,
     ) -> ChunkRecord:
         """Record a chunk before its experts run (not ``completed`` until :meth:`ChunkRecord.finish`)."""
-        record = ChunkRecord(
-            chunk.index,
-            chunk.start,
-            chunk.end,
-            backend,
-            given,
-            tuple(output.shape),
-            counts,
-            needed,
-            False,
-            "",
-            expert_bytes,
-        )
+        state = dict(counts=counts, needed=needed, completed=False, expert_bytes=expert_bytes)
+        record = ChunkRecord(chunk.index, chunk.start, chunk.end, backend, given, tuple(output.shape), **state)
         self.chunks.append(record)
         return record
 

@@ -122,9 +122,8 @@ class WorkspaceShapes:
     dtype: torch.dtype
 
     def __post_init__(self):
-        object.__setattr__(self, "workspace13", _shape(self.workspace13, "workspace13"))
-        object.__setattr__(self, "workspace2", _shape(self.workspace2, "workspace2"))
-        object.__setattr__(self, "output", _shape(self.output, "output"))
+        for name in ("workspace13", "workspace2", "output"):
+            object.__setattr__(self, name, _shape(getattr(self, name), name))
         if not isinstance(self.dtype, torch.dtype):
             raise InvalidInputError(f"WorkspaceShapes.dtype must be a torch.dtype, got {self.dtype!r}")
 
@@ -207,9 +206,8 @@ class MoEWeights:
 
     def check(self, expected: QuantScheme) -> None:
         """Raise QuantizationError unless the weights match ``expected``."""
-        fp8 = FP8
         if expected is QuantScheme.FP8_BLOCK:
-            if self.w1.dtype != fp8 or self.w2.dtype != fp8:
+            if self.w1.dtype != FP8 or self.w2.dtype != FP8:
                 raise QuantizationError(
                     f"fp8 block experts need float8_e4m3fn w1/w2, got {self.w1.dtype}/{self.w2.dtype}; "
                     "quantize with moekit.quant.quantize_fp8_block"
@@ -225,7 +223,7 @@ class MoEWeights:
                         f"{name} must be float32 {want} (128x128 blocks), got {scale.dtype} {tuple(scale.shape)}"
                     )
         else:
-            if self.w1.dtype == fp8 or self.w2.dtype == fp8:
+            if self.w1.dtype == FP8 or self.w2.dtype == FP8:
                 raise QuantizationError(
                     "got fp8 weights but the experts were built with quant=QuantScheme.NONE; "
                     "pass quant=QuantScheme.FP8_BLOCK"

@@ -274,12 +274,7 @@ def _placement(E_global: int, E_local: int) -> ExpertPlacement:
 
 
 def check_placement(
-    w1: torch.Tensor,
-    expert_map: torch.Tensor | None,
-    global_num_experts,
-    device: torch.device,
-    *,
-    values: bool = True,
+    w1: torch.Tensor, expert_map: torch.Tensor | None, global_num_experts, device: torch.device, *, values: bool = True
 ) -> ExpertPlacement:
     """Which experts this call holds: E_local from w1, E_global from the argument or the map; the map's
     values are read too unless ``values=False`` (an all-to-all checks them on the device, in the

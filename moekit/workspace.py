@@ -41,6 +41,13 @@ def pool_device(device: torch.device | str) -> torch.device:
     return device
 
 
+def pool_bytes(shapes: WorkspaceShapes) -> int:
+    """Bytes a pool's :meth:`WorkspacePool.take` needs for ``shapes``: workspace13, then workspace2
+    from the next ``WORKSPACE_ALIGN`` boundary."""
+    n13, n2, item = math.prod(shapes.workspace13), math.prod(shapes.workspace2), shapes.itemsize
+    return -(-n13 * item // WORKSPACE_ALIGN) * WORKSPACE_ALIGN + n2 * item
+
+
 @dataclass
 class WorkspaceBuffers:
     """The two flat workspaces of one chunk (1-D, the declared dtype, at least the declared sizes)."""
@@ -95,6 +102,11 @@ class WorkspacePool:
         self.lock, self._depth = threading.RLock(), 0
         self._reset()
 
+    @property
+    def held_bytes(self) -> int:
+        """The bytes its two buffers hold now (each grows, never shrinks, until :meth:`release`)."""
+        return self._buffer.numel() + self._out.numel()
+
     def serves(self, device: torch.device | str) -> bool:
         """Whether this pool's buffers live where ``device``'s tensors do (``cuda`` is the current GPU)."""
         device = torch.device(device)
@@ -115,10 +127,9 @@ class WorkspacePool:
         views = self._views.get(shapes)
         if views is not None:
             return views
-        item = shapes.itemsize
-        n13, n2 = math.prod(shapes.workspace13), math.prod(shapes.workspace2)
-        off2 = -(-n13 * item // WORKSPACE_ALIGN) * WORKSPACE_ALIGN  # workspace2 starts aligned
-        need = off2 + n2 * item
+        item, need = shapes.itemsize, pool_bytes(shapes)
+        n13, n2 = math.prod(shapes.workspace13) * item, math.prod(shapes.workspace2) * item  # bytes
+        off2 = need - n2  # workspace2 ends the buffer, from an aligned start
         self.peak_bytes = max(self.peak_bytes, need)
         if need > self._buffer.numel():
             # Drop the old buffer first so the peak is the new size, not old + new.
@@ -127,7 +138,7 @@ class WorkspacePool:
             self._views.clear()
             self.grows += 1
         raw = self._buffer
-        views = WorkspaceBuffers(raw[: n13 * item].view(shapes.dtype), raw[off2 : off2 + n2 * item].view(shapes.dtype))
+        views = WorkspaceBuffers(raw[:n13].view(shapes.dtype), raw[off2:need].view(shapes.dtype))
         if len(self._views) > 64:
             self._views.clear()
         self._views[shapes] = views

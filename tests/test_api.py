@@ -60,6 +60,8 @@ def test_fused_moe_names_bad_arguments():
         moekit.fused_moe(x, w1, w2, tw, ti, global_num_experts="8")
     with pytest.raises(InvalidInputError, match="experts must be one of"):
         moekit.fused_moe(x, w1, w2, tw, ti, experts=["triton"])
+    with pytest.raises(InvalidInputError, match="replay must be True or False"):
+        moekit.fused_moe(x, w1, w2, tw, ti, replay="yes")
 
 
 @pytest.mark.interpreter
@@ -70,6 +72,29 @@ def test_the_kernel_cache_never_lets_a_bad_chunk_size_through(first, then):
     moekit.fused_moe(x, w1, w2, tw, ti, chunk_size=first)
     with pytest.raises(ChunkSizeError):
         moekit.fused_moe(x, w1, w2, tw, ti, chunk_size=then)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or moekit.device.interpreting(), reason="needs a CUDA GPU")
+def test_fused_moe_replays_a_graph_up_to_replay_max_tokens():
+    from moekit import api
+    from moekit.testing import make_problem
+    from moekit.types import QuantScheme
+
+    p = make_problem(6, E=16, topk=4, K=256, N=512, device="cuda")
+    graphed = api.KERNELS.get("triton", None, QuantScheme.NONE, p.hidden.device, replay=True)
+    plain = api.KERNELS.get("triton", None, QuantScheme.NONE, p.hidden.device)
+    graphed.clear()
+    modes = []
+    for seed, M in enumerate((6, 6, 129)):
+        q = make_problem(M, E=16, topk=4, K=256, N=512, seed=seed + 1, device="cuda")
+        args = (q.hidden, p.w1, p.w2, q.topk_weights, q.topk_ids)
+        out = moekit.fused_moe(*args)
+        modes.append(graphed.last_mode)
+        assert_close(out, moe_reference(*args), dtype=p.dtype)
+        assert torch.equal(moekit.fused_moe(*args, replay=False), plain(*args))
+    assert modes == ["captured", "replayed", f"eager: M=129 > max_tokens={api.REPLAY_MAX_TOKENS}"]
+    assert graphed.max_tokens == 128 and graphed.kernel is not plain
 
 
 def test_ids_beyond_the_experts_are_named_on_the_cpu():

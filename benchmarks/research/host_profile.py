@@ -60,14 +60,22 @@ def main(argv=None) -> int:
     shape = roofline.get_shape("qwen3_30b_a3b")
     p = make_problem(1, E=shape.E, topk=shape.topk, K=shape.K, N=shape.N, dtype=torch.bfloat16, device="cuda")
     kernel = moekit.ModularKernel(NoEPPrepareFinalize(), HopperTritonExperts(), trace_counts=False)
-    graphed = GraphedKernel(
-        moekit.ModularKernel(NoEPPrepareFinalize(), HopperTritonExperts(), trace_counts=False)
-    )
+    graphed = GraphedKernel(moekit.ModularKernel(NoEPPrepareFinalize(), HopperTritonExperts(), trace_counts=False))
     big = make_problem(16384, E=shape.E, topk=shape.topk, K=shape.K, N=shape.N, dtype=torch.bfloat16, device="cuda")
     row_kernel = moekit.ModularKernel(NoEPPrepareFinalize(), HopperTritonExperts(), chunk_size=8192, chunk_by="rows",
                                 trace_counts=False)  # fmt: skip
+    graphed(*p.inputs(), **p.options())  # captured: the pieces of one replay below
+    replay = next(iter(graphed._graphs.values()))
+    statics, givens = list(replay.inputs), [p.hidden, p.topk_weights, p.topk_ids]
+    event = torch.cuda.Event()
     timed = {
         "bare triton launch": lambda: _noop_kernel[(1,)](x, 64, BLOCK=64),
+        "replay piece: 3 copy_": lambda: [s.copy_(g) for s, g in zip(statics, givens, strict=True)],
+        "replay piece: _foreach_copy_": lambda: torch._foreach_copy_(statics, givens),
+        "replay piece: graph.replay()": replay.graph.replay,
+        "replay piece: output clone": replay.output.clone,
+        "replay piece: event record": event.record,
+        "fused_moe M=1 (replays)": lambda: moekit.fused_moe(*p.inputs()),
         "torch.empty(64)": lambda: torch.empty(64, device="cuda"),
         "count scan 128x8 E=64": lambda: moekit.count_expert_num_tokens(ids, 64, method="scan"),
         "count histogram 128x8 E=64": lambda: moekit.count_expert_num_tokens(ids, 64),
@@ -80,6 +88,7 @@ def main(argv=None) -> int:
         print(f"{name:<32} {host_us(fn, calls):8.1f} us host per call", flush=True)
     print(f"row-chunked call: {len(row_kernel.last_trace)} chunks")
     for what, fn, calls in (("M=1", lambda: kernel(*p.inputs(), **p.options()), args.calls),
+                            ("fused_moe M=1 (replays)", lambda: moekit.fused_moe(*p.inputs()), args.calls),
                             ("M=16384 rows", lambda: row_kernel(*big.inputs(), **big.options()), 5)):  # fmt: skip
         prof = cProfile.Profile()
         prof.enable()

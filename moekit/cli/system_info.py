@@ -40,15 +40,8 @@ def collect_info() -> Info:
         name = f"cuda:{torch.cuda.current_device()} ({torch.cuda.get_device_name()})"
     else:
         name = "cpu (Triton interpreter)"
-    return Info(
-        torch.__version__,
-        triton.__version__,
-        numpy.__version__,
-        name,
-        moekit.device.interpreting(),
-        status.usable,
-        status.reason,
-    )
+    versions = (torch.__version__, triton.__version__, numpy.__version__)
+    return Info(*versions, name, moekit.device.interpreting(), status.usable, status.reason)
 
 
 def info(argv: list[str] | None = None) -> int:

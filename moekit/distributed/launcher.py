@@ -123,12 +123,8 @@ def launch(
     if backend == "gloo" and torch.cuda.is_available():
         env["MOEKIT_DEVICE"] = "cpu"
     with mock.patch.dict(os.environ, env):  # spawned children copy the environment at start
-        procs = [
-            ctx.Process(
-                target=_child, daemon=True, args=(r, world_size, store.port, backend, ref, args, timeout_s, results)
-            )
-            for r in range(world_size)
-        ]
+        shared = (world_size, store.port, backend, ref, args, timeout_s, results)  # _child's arguments after the rank
+        procs = [ctx.Process(target=_child, daemon=True, args=(r, *shared)) for r in range(world_size)]
         for p in procs:
             _start(p)
     try:

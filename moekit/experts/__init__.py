@@ -16,8 +16,7 @@ Short names for them ("triton", "deep_gemm", ...) are :data:`moekit.api.BY_NAME`
 
 from __future__ import annotations
 
-import importlib
-
+from moekit import lazy_attributes
 from moekit.experts.base import Experts
 
 _CLASSES = {
@@ -30,12 +29,7 @@ _CLASSES = {
 }
 
 
-def __getattr__(name):
-    if name in _CLASSES:
-        value = getattr(importlib.import_module(_CLASSES[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'moekit.experts' has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _CLASSES)
 
 
 __all__ = ["Experts", *_CLASSES]

@@ -116,8 +116,7 @@ class DeepGemmExperts(Experts):
         deep_gemm failed to build here stays on moekit's Triton GEMM, the other GEMM does not."""
         if self._layer_reason(N, K):
             return False, False
-        gemm1, gemm2 = (dg.build_failure(*shape) is None for shape in _gemm_shapes(N, K))
-        return gemm1, gemm2
+        return tuple(dg.build_failure(*shape) is None for shape in _gemm_shapes(N, K))
 
     def _layer_reason(self, N: int, K: int) -> str:
         """Why neither GEMM of this layer can run on the real deep_gemm, or ""."""

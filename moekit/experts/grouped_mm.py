@@ -33,14 +33,7 @@ from moekit.errors import QuantizationError, StaleMetadataError
 from moekit.experts.base import Experts, carve
 from moekit.kernels.activation import launch_silu_and_mul
 from moekit.reference import local_expert_ids
-from moekit.types import (
-    ExpertsCall,
-    ExpertTokensMetadata,
-    MoEWeights,
-    ProblemSize,
-    QuantScheme,
-    WorkspaceShapes,
-)
+from moekit.types import ExpertsCall, ExpertTokensMetadata, MoEWeights, ProblemSize, QuantScheme, WorkspaceShapes
 
 
 class GroupedMMExperts(Experts):
@@ -83,7 +76,7 @@ class GroupedMMExperts(Experts):
     def apply(self, call: ExpertsCall) -> str:
         """Sort, gather, two grouped GEMMs and the activation, scatter; returns ``"torch_grouped_mm"``."""
         p, w = call.problem, call.weights
-        R, E = p.M * p.topk, p.num_local_experts
+        R, E, H = p.M * p.topk, p.num_local_experts, p.N // 2
         if R == 0:
             return "torch_grouped_mm"
         local = local_expert_ids(call.topk_ids.reshape(-1), E, call.expert_map)  # -1: empty slot or remote
@@ -95,12 +88,7 @@ class GroupedMMExperts(Experts):
         keep = valid[order, None]  # empty and remote pairs sit past offs[-1]: their rows are garbage
         h = torch._grouped_mm(rows, w.w1.transpose(1, 2), offs=offs)  # [R, N]
         act = launch_silu_and_mul(
-            torch.where(keep, h, 0),
-            carve(call.workspace2, (R, p.N // 2)),
-            R,
-            p.N // 2,
-            x_stride=p.N,
-            out_stride=p.N // 2,
+            torch.where(keep, h, 0), carve(call.workspace2, (R, H)), R, H, x_stride=p.N, out_stride=H
         )
         y = torch.where(keep, torch._grouped_mm(act, w.w2.transpose(1, 2), offs=offs), 0)
         call.output.view(R, p.K).index_copy_(0, order, y.to(call.output.dtype))

@@ -58,11 +58,9 @@ class TritonOrDeepGemmExperts(Experts):
         super().__init__(quant=quant)
         check_flag(flat_output, "flat_output")  # checked also when no DeepGemm sub-experts is built
         self.triton = TritonExperts(quant=quant)
-        self.deep_gemm = (
-            DeepGemmExperts(quant=quant, backend=deep_gemm_backend, flat_output=flat_output)
-            if quant is QuantScheme.FP8_BLOCK
-            else None
-        )
+        self.deep_gemm = None
+        if quant is QuantScheme.FP8_BLOCK:
+            self.deep_gemm = DeepGemmExperts(quant=quant, backend=deep_gemm_backend, flat_output=flat_output)
         subs = [e for e in (self.triton, self.deep_gemm) if e is not None]
         # Instance attributes: a dispatcher can chunk only if every backend it may pick can.
         self.supports_chunking = all(e.supports_chunking for e in subs)

@@ -49,9 +49,8 @@ def check_fp8_module(module: torch.nn.Module, *, name: str | None = None) -> Non
     if getattr(module, "activation_scheme", "dynamic") != "dynamic":
         reasons.append("its activations use static scales (activation_scheme='static'); moekit quantizes per token")
     clamped = getattr(module, "swiglu_alpha", None) is not None or getattr(module, "limit", None) is not None
-    reasons += gating_problems(
-        module, own_gate="it clamps or scales its SwiGLU (swiglu_alpha / swiglu_limit)" if clamped else None
-    )
+    own_gate = "it clamps or scales its SwiGLU (swiglu_alpha / swiglu_limit)" if clamped else None
+    reasons += gating_problems(module, own_gate=own_gate)
     if not reasons:
         reasons += _fp8_weight_problems(module)
     refuse(module, reasons, name=name, path="moekit's fp8 path", runs=FP8_RUNS)

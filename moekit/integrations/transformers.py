@@ -40,6 +40,7 @@ from moekit.errors import InvalidInputError, OptionalDependencyError, Unsupporte
 from moekit.experts.base import Experts
 from moekit.integrations.hf_checks import check_module, check_routing_ids, is_experts
 from moekit.integrations.hf_fp8 import check_fp8_module, is_fp8_experts
+from moekit.validate import check_flag
 from moekit.workspace import PoolRegistry
 
 NAME = "moekit"
@@ -73,6 +74,7 @@ class Settings:
     make_fp8_experts: Callable[[], Experts]
     chunk_size: int | None
     kernel_options: dict
+    replay: bool = False
     pools: PoolRegistry = field(default_factory=PoolRegistry)  # one WorkspacePool per device, for every layer
 
     def build_kernel(self, device: torch.device, *, fp8: bool = False):
@@ -98,6 +100,7 @@ class _Layer:
     settings: Settings
     device: torch.device
     kernel: object  # ModularKernel
+    call: object  # the kernel, or its GraphedKernel (settings.replay, on a GPU)
 
 
 def register(
@@ -106,6 +109,7 @@ def register(
     chunk_size: int | None = None,
     name: str = NAME,
     fp8_experts: str | Experts | Callable[[], Experts] = "triton_or_deep_gemm",
+    replay: bool = True,
     **kernel_options,
 ) -> str:
     """Register ``name`` in transformers' ExpertsInterface; return ``name``.
@@ -122,6 +126,10 @@ def register(
         name: the implementation name; register several (``"moekit-c16"``) to compare settings.
         fp8_experts: what fp8 block-quantized layers (``FP8Experts``) run: ``"triton_or_deep_gemm"``
             (the default), ``"triton"``, or an fp8 :class:`Experts` instance or factory.
+        replay: on a GPU, each layer replays a CUDA graph per signature up to
+            ``moekit.api.REPLAY_MAX_TOKENS`` tokens (:class:`moekit.hopper.graphed.GraphedKernel`, at
+            most 8 graphs a layer), as ``moekit.fused_moe`` does; :func:`traces` then shows each
+            layer's last forward that ran eagerly (the first call of a shape). False: never.
         **kernel_options: passed to :class:`~moekit.ModularKernel`: ``trace_counts``,
             ``workspace_policy``, ``metadata_policy``, ``guard``, ``chunk_by`` (:data:`KERNEL_OPTIONS`;
             not ``pool``: every layer on a device shares the integration's pool).
@@ -148,6 +156,7 @@ def register(
     settings = Settings(
         name, _experts_factory(experts), _experts_factory(fp8_experts, fp8=True), chunk_size, dict(kernel_options)
     )
+    settings.replay = check_flag(replay, "replay")
     settings.build_kernel(torch.device("cpu"))  # validates experts, chunk size and options now
     settings.build_kernel(torch.device("cpu"), fp8=True)
     settings.pools.clear()
@@ -201,7 +210,13 @@ def _forward(settings: Settings, module, hidden_states, top_k_index, top_k_weigh
     if layer is None or layer.settings is not settings or layer.device != hidden_states.device:
         check_fp8_module(module) if fp8 else check_module(module)
         device = hidden_states.device
-        layer = _Layer(settings, device, settings.build_kernel(device, fp8=fp8))
+        layer = _Layer(settings, device, settings.build_kernel(device, fp8=fp8), None)
+        layer.call = layer.kernel
+        if settings.replay and device.type == "cuda":
+            from moekit.api import REPLAY_MAX_TOKENS
+            from moekit.hopper.graphed import GraphedKernel
+
+            layer.call = GraphedKernel(layer.kernel, max_graphs=8, max_tokens=REPLAY_MAX_TOKENS)
         module.__dict__["_moekit"] = layer  # not a submodule or buffer: stays out of state_dict
     w1, w2 = module.gate_up_proj, module.down_proj
     if torch.is_grad_enabled() and (w1.requires_grad or hidden_states.requires_grad):
@@ -214,9 +229,9 @@ def _forward(settings: Settings, module, hidden_states, top_k_index, top_k_weigh
         ids, weights = moekit_routing(top_k_index, top_k_weights, w1.shape[0])
         if fp8:  # prepare quantizes the activations per 1x128 group, as transformers' dynamic scheme
             scales = dict(w1_scale=module.gate_up_proj_scale_inv, w2_scale=module.down_proj_scale_inv)
-            out = layer.kernel(hidden_states.contiguous(), w1, w2, weights, ids, **scales)
+            out = layer.call(hidden_states.contiguous(), w1, w2, weights, ids, **scales)
         else:
-            out = layer.kernel(hidden_states.to(w1.dtype).contiguous(), w1, w2, weights, ids)
+            out = layer.call(hidden_states.to(w1.dtype).contiguous(), w1, w2, weights, ids)
     return out.to(hidden_states.dtype)
 
 

@@ -1,7 +1,6 @@
 """Prepare/finalize stages: quantize and dispatch before the experts, combine after."""
 
-import importlib
-
+from moekit import lazy_attributes
 from moekit.prepare_finalize.base import PrepareFinalize
 from moekit.prepare_finalize.no_ep import NoEPPrepareFinalize
 
@@ -11,12 +10,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'moekit.prepare_finalize' has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)
 
 
 __all__ = ["All2AllPrepareFinalize", "BatchedPrepareFinalize", "NoEPPrepareFinalize", "PrepareFinalize"]

@@ -18,7 +18,7 @@ The numbers behind the plots (:func:`chunk_counts`, :func:`weight_bytes_read`) a
 and are tested against the count kernel and the trace.
 """
 
-import importlib
+from moekit import lazy_attributes
 
 # Every public name, and the module that defines it, imported on first use (as `moekit`'s own
 # table does): `moekit.viz.X` and `from moekit.viz import X` both work.
@@ -48,12 +48,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'moekit.viz' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes(__name__, _LAZY)
 
 
 __all__ = [*_LAZY]

@@ -8,9 +8,10 @@ import torch
 import moekit
 from moekit.errors import InvalidIdsError, InvalidInputError
 from moekit.experts import TritonExperts
-from moekit.hopper.graphed import GraphedKernel
+from moekit.hopper.graphed import GraphedKernel, graph_rows
 from moekit.modular_kernel import ModularKernel
 from moekit.prepare_finalize import NoEPPrepareFinalize
+from moekit.reference import moe_reference
 from moekit.testing import assert_close, expect_raises, make_problem
 
 on_gpu = pytest.mark.skipif(
@@ -45,6 +46,8 @@ def test_bad_arguments_are_named(device):
         GraphedKernel(TritonExperts())
     with expect_raises(InvalidInputError, "max_graphs"):
         GraphedKernel(_kernel(), max_graphs=0)
+    with expect_raises(InvalidInputError, "max_tokens"):
+        GraphedKernel(_kernel(), max_tokens=0)
     p = make_problem(4, device=device)
     with expect_raises(InvalidInputError, "unknown options"):
         GraphedKernel(_kernel())(*p.inputs(), chunk_size=2)
@@ -69,20 +72,22 @@ def test_replays_match_the_plain_forward(chunk_size):
 
 @pytest.mark.gpu
 @on_gpu
-def test_each_signature_keeps_its_own_workspace():
-    # M=1 is captured, then a larger M grows a workspace: the first graph must not be left
-    # reading the freed buffer.
-    small, big = make_problem(1, E=16, topk=4, K=256, N=512, device="cuda"), None
+def test_a_capture_that_grows_the_workspace_drops_the_graphs_before_it():
+    # M=1 is captured, then a larger M grows the shared workspace: the first graph must not be left
+    # reading the freed buffer; it is dropped, and recaptured on its next call.
+    small = make_problem(1, E=16, topk=4, K=256, N=512, device="cuda")
     big = make_problem(2048, E=16, topk=4, K=256, N=512, device="cuda")
     big_args = (big.hidden, small.w1, small.w2, big.topk_weights, big.topk_ids)
     plain, graphed = _kernel(), GraphedKernel(_kernel(), max_graphs=4)
     graphed(*small.inputs())
     graphed(*big_args)
-    assert graphed.num_graphs == 2
-    for _ in range(3):
-        args = _fresh(small, 7)
+    assert graphed.num_graphs == 1
+    for seed in (7, 8, 9):
+        args = _fresh(small, seed)
         assert torch.equal(graphed(*args), plain(*args))
         assert torch.equal(graphed(*big_args), plain(*big_args))
+        assert graphed.last_mode == "replayed"
+    assert graphed.num_graphs == 2
     graphed.clear()  # every graph and its buffers go; the next call captures afresh
     assert graphed.num_graphs == 0 and torch.equal(graphed(*small.inputs()), plain(*small.inputs()))
     assert graphed.last_mode == "captured"
@@ -90,17 +95,77 @@ def test_each_signature_keeps_its_own_workspace():
 
 @pytest.mark.gpu
 @on_gpu
-def test_least_recently_used_graph_goes_and_weights_change_in_place():
+def test_past_max_graphs_a_new_signature_runs_plain_and_weights_change_in_place():
+    # Pushing a graph out for a new one would recapture on every call of layers that take turns.
     p = make_problem(8, E=16, topk=4, K=256, N=512, device="cuda")
     plain, graphed = _kernel(), GraphedKernel(_kernel(), max_graphs=1)
     graphed(*p.inputs())
     q = make_problem(16, E=16, topk=4, K=256, N=512, device="cuda")
-    graphed(q.hidden, p.w1, p.w2, q.topk_weights, q.topk_ids)
+    for _ in range(2):
+        out = graphed(q.hidden, p.w1, p.w2, q.topk_weights, q.topk_ids)
+        assert graphed.last_mode == "eager: max_graphs=1 graphs kept (clear() drops them)"
+        assert torch.equal(out, plain(q.hidden, p.w1, p.w2, q.topk_weights, q.topk_ids))
     assert graphed.num_graphs == 1
     p.w1.mul_(0.5)  # in place: the graph reads the new values at the same address
-    out = graphed(q.hidden, p.w1, p.w2, q.topk_weights, q.topk_ids)
+    args = _fresh(p, 5)
+    out = graphed(*args)
     assert graphed.last_mode == "replayed"
-    assert torch.equal(out, plain(q.hidden, p.w1, p.w2, q.topk_weights, q.topk_ids))
+    assert torch.equal(out, plain(*args))
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_keeps_the_settings_and_no_graph(how):
+    import copy
+    import pickle
+
+    graphed = GraphedKernel(_kernel(chunk_size=4), max_graphs=3, max_tokens=32)
+    twin = copy.deepcopy(graphed) if how == "deepcopy" else pickle.loads(pickle.dumps(graphed))
+    assert (twin.max_graphs, twin.max_tokens, twin.kernel.chunk_size, twin.num_graphs) == (3, 32, 4, 0)
+    assert twin.last_mode == "none" and twin.kernel is not graphed.kernel
+
+
+def test_graph_rows_round_up_to_a_power_of_two_up_to_max_tokens():
+    assert [graph_rows(m, None) for m in (0, 1, 5, 3000)] == [None, 1, 5, 3000]
+    assert [graph_rows(m, 16) for m in (0, 1, 2, 3, 5, 8, 9, 16, 17)] == [None, 1, 2, 4, 8, 8, 16, 16, None]
+    assert [graph_rows(m, 24) for m in (17, 24, 25)] == [24, 24, None]  # not a power of two: its own rows
+
+
+@pytest.mark.gpu
+@on_gpu
+def test_one_graph_serves_every_m_of_its_bucket():
+    # M=8 is captured; 5, 7 and 3 tokens replay it with the rows past M empty (id -1), also after a
+    # larger M wrote ids there; M=2 is another bucket; 17 is past max_tokens.
+    p = make_problem(8, E=16, topk=4, K=256, N=512, device="cuda")
+    plain, graphed = _kernel(), GraphedKernel(_kernel(), max_tokens=16)
+    modes = []
+    for seed, M in enumerate((8, 5, 5, 7, 8, 3, 3, 8, 2, 2, 17)):
+        q = make_problem(M, E=16, topk=4, K=256, N=512, seed=100 + seed, device="cuda")
+        args = (q.hidden, p.w1, p.w2, q.topk_weights, q.topk_ids)
+        out, want = graphed(*args), plain(*args)
+        modes.append(graphed.last_mode)
+        if M in (8, 2) or not graphed.last_mode == "replayed":
+            assert torch.equal(out, want), (M, graphed.last_mode)  # the same tiles: the same bits
+        else:
+            assert_close(out, want, dtype=p.dtype)
+        assert_close(out, moe_reference(*args), dtype=p.dtype)
+    checked, replayed = "eager: checked, the next call replays", "replayed"
+    assert modes == ["captured", checked, replayed, checked, replayed, "captured", replayed, replayed,
+                     "captured", replayed, "eager: M=17 > max_tokens=16"]  # fmt: skip
+    assert graphed.num_graphs == 3
+
+
+@pytest.mark.gpu
+@on_gpu
+def test_other_strides_share_the_graph_of_their_rows():
+    p = make_problem(8, E=16, topk=4, K=256, N=512, device="cuda")
+    plain, graphed = _kernel(), GraphedKernel(_kernel(), max_tokens=8)
+    graphed(*p.inputs())
+    wide = torch.randn(8, 512, device="cuda", dtype=p.dtype)[:, :256]  # rows 512 apart
+    wide.copy_(_fresh(p, 1)[0])
+    args = (wide, p.w1, p.w2, p.topk_weights, p.topk_ids)
+    graphed(*args)
+    assert graphed.last_mode == "eager: checked, the next call replays" and graphed.num_graphs == 1
+    assert torch.equal(graphed(*args), plain(*args)) and graphed.last_mode == "replayed"
 
 
 @pytest.mark.gpu

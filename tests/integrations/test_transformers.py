@@ -121,6 +121,23 @@ def test_greedy_generation_same_with_and_without_chunking():
     assert len(moekit_hf.traces(model)["model.layers.0.mlp.experts"]) == 2  # last step: M=2, C=1
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a CUDA GPU (CUDA graphs)")
+def test_on_a_gpu_each_layer_replays_a_graph_unless_told_not_to():
+    model = tiny_model("qwen3_moe", torch.bfloat16, num_hidden_layers=1)
+    moekit_hf.register(name="moekit-plain", replay=False)
+    ids = torch.randint(3, 128, (1, 3), device=DEVICE)  # M=3 replays the graph of 4 rows
+    want = logits(model, "moekit-plain", ids)
+    layer = model.model.layers[0].mlp.experts.__dict__["_moekit"]
+    assert layer.call is layer.kernel
+    modes = []
+    for _ in range(2):
+        assert_close(logits(model, "moekit", ids), want, dtype=torch.bfloat16)
+        layer = model.model.layers[0].mlp.experts.__dict__["_moekit"]
+        modes.append(layer.call.last_mode)
+    assert modes == ["captured", "replayed"]
+
+
 def test_unsupported_models_are_refused_by_name():
     gpt_oss = transformers.AutoModelForCausalLM.from_config(
         transformers.AutoConfig.for_model(
@@ -248,6 +265,8 @@ def test_register_validates_and_names_the_extra(monkeypatch):
         moekit_hf.register(pool=None, name="moekit-bad")
     with expect_raises(InvalidInputError, match="guard must be True or False"):
         moekit_hf.register(guard="no", name="moekit-bad")
+    with expect_raises(InvalidInputError, match="replay must be True or False"):
+        moekit_hf.register(replay="no", name="moekit-bad")
     assert moekit_hf.register(experts=TritonExperts(), name="moekit-instance") == "moekit-instance"
     assert moekit_hf.register(experts=TritonExperts, name="moekit-factory") == "moekit-factory"
     for mod in [m for m in sys.modules if m.split(".")[0] == "transformers"]:
