@@ -30,7 +30,8 @@ import types
 from collections import Counter
 from pathlib import Path
 
-os.environ["TRITON_INTERPRET"] = "0"  # compiled kernels, not the interpreter: set before moekit
+if __name__ == "__main__":  # compiled kernels, not the interpreter: set before moekit, in this script's
+    os.environ["TRITON_INTERPRET"] = "0"  # own process only (a test importing it must not switch its own)
 import moekit  # noqa: F401,I001  (first: it reads the switch)
 import torch
 import triton
