@@ -50,6 +50,9 @@ _NAMES = {"experts": ("triton",), "fp8_experts": ("triton", "triton_or_deep_gemm
 # What register() passes on to ModularKernel; the chunk size is its own argument, and the workspace
 # pool is the integration's (one per device, shared by every layer).
 KERNEL_OPTIONS = ("chunk_by", "guard", "metadata_policy", "trace_counts", "workspace_policy")
+# Each layer replays graphs up to this many tokens (decode): its graphs keep a workspace of their own
+# per layer, sized for these rows (moekit.fused_moe shares one for every layer and goes to 128).
+REPLAY_MAX_TOKENS = 16
 
 
 def _hf_moe():
@@ -127,9 +130,10 @@ def register(
         fp8_experts: what fp8 block-quantized layers (``FP8Experts``) run: ``"triton_or_deep_gemm"``
             (the default), ``"triton"``, or an fp8 :class:`Experts` instance or factory.
         replay: on a GPU, each layer replays a CUDA graph per signature up to
-            ``moekit.api.REPLAY_MAX_TOKENS`` tokens (:class:`moekit.hopper.graphed.GraphedKernel`, at
-            most 8 graphs a layer), as ``moekit.fused_moe`` does; :func:`traces` then shows each
-            layer's last forward that ran eagerly (the first call of a shape). False: never.
+            :data:`REPLAY_MAX_TOKENS` tokens (:class:`moekit.hopper.graphed.GraphedKernel`, at most 8
+            graphs a layer, with a workspace of their own for 16 rows: about 1 MB a layer at
+            Qwen3-30B-A3B's sizes); :func:`traces` then shows each layer's last forward that ran
+            eagerly (the first call of a shape). False: never.
         **kernel_options: passed to :class:`~moekit.ModularKernel`: ``trace_counts``,
             ``workspace_policy``, ``metadata_policy``, ``guard``, ``chunk_by`` (:data:`KERNEL_OPTIONS`;
             not ``pool``: every layer on a device shares the integration's pool).
@@ -210,13 +214,12 @@ def _forward(settings: Settings, module, hidden_states, top_k_index, top_k_weigh
     if layer is None or layer.settings is not settings or layer.device != hidden_states.device:
         check_fp8_module(module) if fp8 else check_module(module)
         device = hidden_states.device
-        layer = _Layer(settings, device, settings.build_kernel(device, fp8=fp8), None)
-        layer.call = layer.kernel
+        kernel = call = settings.build_kernel(device, fp8=fp8)
         if settings.replay and device.type == "cuda":
-            from moekit.api import REPLAY_MAX_TOKENS
             from moekit.hopper.graphed import GraphedKernel
 
-            layer.call = GraphedKernel(layer.kernel, max_graphs=8, max_tokens=REPLAY_MAX_TOKENS)
+            call = GraphedKernel(kernel, max_graphs=8, max_tokens=REPLAY_MAX_TOKENS)
+        layer = _Layer(settings, device, kernel, call)
         module.__dict__["_moekit"] = layer  # not a submodule or buffer: stays out of state_dict
     w1, w2 = module.gate_up_proj, module.down_proj
     if torch.is_grad_enabled() and (w1.requires_grad or hidden_states.requires_grad):
