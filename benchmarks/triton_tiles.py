@@ -22,12 +22,12 @@ from moekit.hopper.configs import KernelConfig
 from moekit.hopper.experts import HopperTritonExperts
 from moekit.types import ProblemSize
 
-_FLAGS = {"t": "tma", "p": "persistent", "ws": "warp_specialize"}
+_FLAGS = {"t": "tma", "p": "persistent", "ws": "warp_specialize", "i": "interleave"}
 
 
 def C(spec: str) -> KernelConfig:
     """'128x256x64 g8 w8 s3 t' -> KernelConfig (t: TMA weights, p: persistent, ws: warp-specialized,
-    tail32: TAIL_M=32)."""
+    i: gate and up interleaved in one accumulator, tail32: TAIL_M=32)."""
     parts = spec.split()
     bm, bn, bk = map(int, parts[0].split("x"))
     flags = {_FLAGS[p]: True for p in parts[1:] if p in _FLAGS}

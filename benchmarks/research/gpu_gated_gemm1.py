@@ -59,7 +59,7 @@ def bench(fns: dict, rounds: int = 3, *, graph: bool = False) -> dict:
     return {n: statistics.median(t) for n, t in times.items()}
 
 
-def run(shape_name: str, M: int, gen, *, graph: bool = False) -> dict:
+def run(shape_name: str, M: int, gen, *, graph: bool = False, candidates: list[str] = GATED) -> dict:
     s = SHAPES[shape_name]
     E, topk, K, I = s.E, s.topk, s.K, s.I
     dev, bf16 = "cuda", torch.bfloat16
@@ -82,7 +82,7 @@ def run(shape_name: str, M: int, gen, *, graph: bool = False) -> dict:
     fns["split: silu_and_mul"] = lambda: silu_and_mul(ws13.view(M * topk, 2 * I), out=act)
     outs["split: silu_and_mul"] = act
     configs = {}
-    for spec in GATED:
+    for spec in candidates:
         configs[spec] = C(spec)
         for t in TAILS.get(spec, ()):
             configs[f"{spec} tail{t}"] = tail(C(spec), t)
@@ -135,6 +135,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="qwen3_30b_a3b:4096,qwen3_30b_a3b:16384,deepseek_v3:16384")
     p.add_argument("--graph", action="store_true", help="time CUDA-graph replays back to back")
+    p.add_argument("--candidates", default=",".join(GATED), help="gated tiles to time (triton_tiles.C specs)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
@@ -144,7 +145,7 @@ def main() -> int:
     out = Path(os.environ["OUT"]) / "gpu_gated_gemm1.json" if os.environ.get("OUT") else None
     for item in args.shapes.split(","):
         name, M = item.split(":")
-        payload["cases"].append(run(name, int(M), gen, graph=args.graph))
+        payload["cases"].append(run(name, int(M), gen, graph=args.graph, candidates=args.candidates.split(",")))
         torch.cuda.empty_cache()
         if out is not None:
             out.write_text(json.dumps(payload, indent=1, default=str))
@@ -152,8 +153,8 @@ def main() -> int:
         c = r.constants
         if c.get("GATED"):
             print(f"gated {c.get('BLOCK_M')}x{c.get('BLOCK_N')}x{c.get('BLOCK_K')} tail{c.get('TAIL_M')} "
-                  f"tma{int(bool(c.get('W_TMA')))} w{r.num_warps} s{r.num_stages}: regs {r.n_regs} "
-                  f"spills {r.n_spills} smem {r.shared_bytes}")
+                  f"i{int(bool(c.get('INTERLEAVE')))} tma{int(bool(c.get('W_TMA')))} w{r.num_warps} s{r.num_stages}: "
+                  f"regs {r.n_regs} spills {r.n_spills} smem {r.shared_bytes}")
     return 1 if any(c["wrong"] for c in payload["cases"]) else 0
 
 

@@ -116,11 +116,7 @@ class Experts(ABC):
 
     @abstractmethod
     def workspace_shapes(
-        self,
-        problem: ProblemSize,
-        *,
-        act_dtype: torch.dtype,
-        tokens_meta: ExpertTokensMetadata | None = None,
+        self, problem: ProblemSize, *, act_dtype: torch.dtype, tokens_meta: ExpertTokensMetadata | None = None
     ) -> WorkspaceShapes:
         """Declare workspace13, workspace2 and the output for ``problem`` (this chunk's M)."""
 

@@ -49,11 +49,7 @@ class _BatchedExperts(Experts):
     uses_tokens_meta = True
 
     def workspace_shapes(
-        self,
-        problem: ProblemSize,
-        *,
-        act_dtype: torch.dtype,
-        tokens_meta: ExpertTokensMetadata | None = None,
+        self, problem: ProblemSize, *, act_dtype: torch.dtype, tokens_meta: ExpertTokensMetadata | None = None
     ) -> WorkspaceShapes:
         """``(E, T, N)``, ``(E, T, N/2)`` and output ``(E, T, K)``, where ``T = problem.M``.
 

@@ -175,11 +175,7 @@ class DeepGemmExperts(Experts):
         return int(((cpu.long() + ALIGN_M - 1) // ALIGN_M).sum()) * ALIGN_M
 
     def workspace_shapes(
-        self,
-        problem: ProblemSize,
-        *,
-        act_dtype: torch.dtype,
-        tokens_meta: ExpertTokensMetadata | None = None,
+        self, problem: ProblemSize, *, act_dtype: torch.dtype, tokens_meta: ExpertTokensMetadata | None = None
     ) -> WorkspaceShapes:
         """``(M_sum, max(N, K))``, ``(M_sum + R_idx, max(N/2, K))``, output ``(M, topk, K)``, bf16
         (``(M * topk, K)`` with ``flat_output``). M_sum follows the CPU counts when given."""

@@ -63,11 +63,7 @@ class GroupedMMExperts(Experts):
             )
 
     def workspace_shapes(
-        self,
-        problem: ProblemSize,
-        *,
-        act_dtype: torch.dtype,
-        tokens_meta: ExpertTokensMetadata | None = None,
+        self, problem: ProblemSize, *, act_dtype: torch.dtype, tokens_meta: ExpertTokensMetadata | None = None
     ) -> WorkspaceShapes:
         """``(M * topk, K)`` gathered rows, ``(M * topk, N/2)`` activation, output ``(M, topk, K)``."""
         R = problem.M * problem.topk

@@ -62,11 +62,7 @@ class TritonExperts(Experts):
             )
 
     def workspace_shapes(
-        self,
-        problem: ProblemSize,
-        *,
-        act_dtype: torch.dtype,
-        tokens_meta: ExpertTokensMetadata | None = None,
+        self, problem: ProblemSize, *, act_dtype: torch.dtype, tokens_meta: ExpertTokensMetadata | None = None
     ) -> WorkspaceShapes:
         """``(M, topk, N)``, ``(M * topk, N/2)`` and output ``(M, topk, K)`` in the compute dtype."""
         M, N, K, topk = problem.M, problem.N, problem.K, problem.topk

@@ -95,11 +95,7 @@ class TritonOrDeepGemmExperts(Experts):
         return self._pick(problem).why(problem)
 
     def workspace_shapes(
-        self,
-        problem: ProblemSize,
-        *,
-        act_dtype: torch.dtype,
-        tokens_meta: ExpertTokensMetadata | None = None,
+        self, problem: ProblemSize, *, act_dtype: torch.dtype, tokens_meta: ExpertTokensMetadata | None = None
     ) -> WorkspaceShapes:
         """The shapes of the backend :meth:`uses_deep_gemm` picks for ``problem.M``."""
         return self._pick(problem).workspace_shapes(problem, act_dtype=act_dtype, tokens_meta=tokens_meta)

@@ -38,13 +38,16 @@ class KernelConfig(Tiles):
     ``persistent``: one program per SM walks the tiles (the persistent walk of
     :mod:`moekit.hopper.grouped_gemm`); no ``TAIL_M`` then. ``warp_specialize``: ask Triton to split
     that walk's loop into producer and consumer warps (``tl.range(warp_specialize=True)``; persistent
-    only).
+    only). ``interleave``: a gated GEMM1 (silu_and_mul in the epilogue) multiplies gate and up as one
+    ``2 * BLOCK_N``-wide product whose columns alternate gate, up (one accumulator, one MMA per k-step,
+    the ``BLOCK_M`` rows of ``a`` read once for both); ``BLOCK_N`` stays the output's width.
     """
 
     tma: bool = False
     TAIL_M: int = 0
     persistent: bool = False
     warp_specialize: bool = False
+    interleave: bool = False
 
     def __post_init__(self):
         super().__post_init__()  # the tile shape, warps and stages, as the book's Tiles
@@ -57,7 +60,7 @@ class KernelConfig(Tiles):
             raise InvalidInputError(
                 f"KernelConfig.TAIL_M must be 0 or a power of two >= 16 below BLOCK_M={self.BLOCK_M}, got {tail!r}"
             )
-        for name in ("tma", "persistent", "warp_specialize"):
+        for name in ("tma", "persistent", "warp_specialize", "interleave"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidInputError(f"KernelConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.persistent and tail:

@@ -71,11 +71,7 @@ class HopperTritonExperts(TritonExperts):
         return f"{self.name}(quant={self.quant.value}, fuse_activation={self.fuse_activation})"
 
     def workspace_shapes(
-        self,
-        problem: ProblemSize,
-        *,
-        act_dtype: torch.dtype,
-        tokens_meta: ExpertTokensMetadata | None = None,
+        self, problem: ProblemSize, *, act_dtype: torch.dtype, tokens_meta: ExpertTokensMetadata | None = None
     ) -> WorkspaceShapes:
         """The book's ``(M, topk, N)``, ``(M * topk, N/2)`` and output ``(M, topk, K)`` (fused
         activation: ``(M, topk, N/2)`` and ``(M * topk, 0)``). Asked per chunk, as in the book;

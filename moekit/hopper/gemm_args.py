@@ -55,6 +55,8 @@ def check_gemm_args(a, w, out, blocks, pairs_per_row, config, a_scale, w_scale, 
     N = w.shape[1] if w.dim() == 3 else 0
     if gated and N % 2:
         raise InvalidInputError(f"a gated GEMM needs gate and up rows (even N), got N={N}")
+    if config.interleave and not gated:
+        raise InvalidInputError(f"KernelConfig.interleave is for a gated GEMM, got gated={gated!r}")
     width = N // 2 if gated else None
     fp8 = check_book_args(
         a, w, out, blocks, pairs_per_row, config, a_scale, w_scale, chunk, width=width, fp8_out=gated is not None

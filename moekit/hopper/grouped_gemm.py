@@ -41,7 +41,7 @@ from moekit.hopper.pdl import pdl_begin
 from moekit.kernels.activation import clamp_fp8, quantize_fp8_rows, round_for_store
 from moekit.kernels.align import AlignedBlocks, bucket_of
 from moekit.kernels.host_math import cdiv
-from moekit.kernels.tma import tma_descriptor, weight_descriptor
+from moekit.kernels.tma import gate_up_descriptor, tma_descriptor, weight_descriptor
 from moekit.quant import FP8, FP8_GROUP, FP8_MAX, TINY_SCALE
 
 # The output tile the kernel computes, with its fused epilogue ---------------------------------
@@ -66,6 +66,7 @@ class _Meta(NamedTuple):
     EVEN_K: bool  # K % BLOCK_K == 0: no mask along K
     IS_FP8: bool  # a and w fp8, dequantized with a_scale and w_scale
     GATED: bool  # silu(gate) * up in the epilogue (GatedOutput)
+    INTERLEAVE: bool  # ... from one accumulator whose columns alternate gate, up (KernelConfig.interleave)
     QUANT_OUT: bool  # ... requantized to fp8 (one scale per row of a 128-wide group)
     STATIC_OUT: bool  # ... by a given scale
     W_TMA: bool  # w's tiles through a TMA descriptor
@@ -159,7 +160,6 @@ def _tile(
     else:
         pair = tl.load(sorted_ptr + offs_m)
     live = pair < numel
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     # Padding rows load nothing (masked: zeros, no memory traffic) and columns past N wrap
     # around: every load is in bounds, and those lanes are never stored (or, written by
     # position, never read back).
@@ -167,7 +167,11 @@ def _tile(
         row = offs_m.to(tl.int64)
     else:
         row = tl.where(live, pair // META.PAIRS_PER_ROW, 0).to(tl.int64)
-    col = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N)
+    if META.INTERLEAVE:  # w's rows for product columns gate n, up n, gate n + 1, ... (2 * BLOCK_N)
+        j = tl.arange(0, 2 * BLOCK_N)
+        col = (pid_n * BLOCK_N + j // 2) % N + (j % 2) * N
+    else:
+        col = tl.max_contiguous(tl.multiple_of((pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N, BLOCK_N), BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + row[:, None] * stride_am + offs_k[None, :] * stride_ak
     w_ptrs = w_ptr + expert * stride_we + col[None, :] * stride_wn + offs_k[:, None] * stride_wk
@@ -178,8 +182,8 @@ def _tile(
     # TMA: w viewed as [E * rows, K]; rows past this expert's (last column tile) belong to the
     # next expert or are zero-filled past the end, and those columns are never stored.
     w_row = (expert * (2 * N if META.GATED else N) + pid_n * BLOCK_N).to(tl.int32)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if META.GATED:
+    acc = tl.zeros([BLOCK_M, 2 * BLOCK_N if META.INTERLEAVE else BLOCK_N], dtype=tl.float32)
+    if META.GATED and not META.INTERLEAVE:
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, k_steps):
         if A_TMA:  # rows read by position: the tile's rows are contiguous, one TMA box
@@ -197,12 +201,14 @@ def _tile(
         else:
             a_s = 1.0
             w_s = 1.0
-        if META.W_TMA:
+        if META.W_TMA and META.INTERLEAVE:  # a [1, BLOCK_N, 2, BLOCK_K] box of w seen as [E, N, 2, K]
+            b = w_desc.load([expert.to(tl.int32), pid_n * BLOCK_N, 0, k * BLOCK_K]).reshape(2 * BLOCK_N, BLOCK_K).T
+        elif META.W_TMA:
             b = w_desc.load([w_row, k * BLOCK_K]).T
         else:
             b = _load(w_ptrs, w_mask, META.EVEN_K)
         acc = _mma(acc, a, b, a_s, w_s, META.IS_FP8, META.UPCAST_BF16, META.DOT_IEEE)
-        if META.GATED:  # the up half: the same rows of a times w rows [N, 2N)
+        if META.GATED and not META.INTERLEAVE:  # the up half: the same rows of a times w rows [N, 2N)
             if META.IS_FP8:
                 w_up_s = tl.load(w_up_scale_ptrs + group * stride_wsk)
             else:
@@ -220,6 +226,8 @@ def _tile(
     out_ptrs, out_mask, out_scale_ptrs, keep = _rows_out(
         out_ptr, out_scale_ptr, strides, offs_m, pair, live, pid_n, N, META
     )
+    if META.INTERLEAVE:  # each thread holds both columns of a (gate, up) pair: split them apart
+        acc, acc_up = tl.split(acc.reshape(BLOCK_M, BLOCK_N, 2))
     if META.GATED:  # silu(gate) * up from the fp32 accumulators
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     if META.QUANT_OUT:  # fp8 with one scale per row of this 128-wide group (as moekit.quant)
@@ -476,7 +484,11 @@ def fused_moe_gemm(
     write_pos = chunk is not None and chunk.write == "position"
     # TMA boxes: w as [E * N, K] in [BLOCK_N, BLOCK_K] boxes; activations read by position as [rows, K]
     # in [BLOCK_M, BLOCK_K] boxes (a tile's rows are consecutive there). None where TMA cannot read them.
-    w_desc = weight_descriptor(w, [config.BLOCK_N, config.BLOCK_K]) if config.tma else None
+    # With interleave, w [E, 2N, K] as [E, N, 2, K] in [1, BLOCK_N, 2, BLOCK_K] boxes (rows gate n, up n, ...).
+    if config.tma and config.interleave:
+        w_desc = gate_up_descriptor(w, [1, config.BLOCK_N, 2, config.BLOCK_K])
+    else:
+        w_desc = weight_descriptor(w, [config.BLOCK_N, config.BLOCK_K]) if config.tma else None
     a_desc = tma_descriptor(a, [config.BLOCK_M, config.BLOCK_K]) if config.tma and read_pos else None
     num_blocks = (end - start) // config.BLOCK_M
     pairs = isinstance(blocks, PairBlocks)
@@ -518,6 +530,7 @@ def fused_moe_gemm(
             EVEN_K=K % config.BLOCK_K == 0,
             IS_FP8=fp8,
             GATED=gated is not None,
+            INTERLEAVE=config.interleave,
             QUANT_OUT=quant_out,
             STATIC_OUT=static is not None,
             W_TMA=w_desc is not None,

@@ -27,3 +27,13 @@ def weight_descriptor(w: torch.Tensor, box: list[int]) -> TensorDescriptor | Non
         return None
     E, N, K = w.shape
     return tma_descriptor(w.view(E * N, K), box)
+
+
+def gate_up_descriptor(w: torch.Tensor, box: list[int]) -> TensorDescriptor | None:
+    """``w [E, 2N, K]`` (gate rows, then up rows) as ``[E, N, 2, K]``: a box's rows alternate gate, up."""
+    if not w.is_contiguous() or w.dim() != 3 or w.numel() == 0:
+        return None
+    E, N2, K = w.shape
+    if (K * w.element_size()) % 16 or w.data_ptr() % 16:
+        return None
+    return TensorDescriptor(w, [E, N2 // 2, 2, K], [N2 * K, K, N2 // 2 * K, 1], box)

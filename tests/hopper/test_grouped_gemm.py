@@ -213,6 +213,41 @@ def test_tma_weights_match_pointer_loads(device, kind):
         assert (results[1] - results[0]).abs().max() <= 1e-6 * results[0].abs().max()
 
 
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "fp8_requantized"])
+def test_interleaved_gate_up_matches_the_spec(device, kind):
+    # One accumulator whose columns alternate gate, up (KernelConfig.interleave), by pointers or a TMA box
+    # of w seen as [E, N, 2, K], one program per tile or the persistent walk; the last column tile is
+    # partial (N/2 = 80 at BLOCK_N = 64), remote and empty slots included.
+    fp8 = kind == "fp8_requantized"
+    M, K, E, topk, N = 11, 128 if fp8 else 192, 4, 2, 512 if fp8 else 160
+    ids = torch.randint(-1, E, (M, topk), device=device)
+    a, w = torch.randn(M, K, device=device), torch.randn(E, N, K, device=device) / K**0.5
+    kw, dtype = {}, torch.bfloat16 if kind == "bf16" else torch.float32
+    if fp8:
+        (a, a_s), (w, w_s) = quantize_fp8_per_token_group(a), quantize_fp8_block(w)
+        kw = dict(a_scale=a_s, w_scale=w_s)
+        expected = silu_and_mul(gemm_spec(dequantize_fp8_per_token_group(a, a_s), dequantize_fp8_block(w, w_s), ids, 2))
+    else:
+        a, w = a.to(dtype), w.to(dtype)
+        expected = silu_and_mul(gemm_spec(a, w, ids, topk))
+    for tma, persistent in ((False, False), (True, False), (True, True)):
+        cfg = KernelConfig(16, 128 if fp8 else 64, 64, tma=tma, persistent=persistent, interleave=True)
+        blocks = moe_align_block_size(ids, 16, E, keep_empty=True)
+        if fp8:
+            out = torch.empty(M, topk, N // 2, device=device, dtype=FP8)
+            gated = GatedOutput(out_scale=torch.empty(M * topk, N // 2 // FP8_GROUP, device=device))
+        else:
+            out, gated = torch.full((M, topk, N // 2), float("nan"), device=device, dtype=dtype), GatedOutput()
+        fused_moe_gemm(a, w, out, blocks, pairs_per_row=topk, config=cfg, gated=gated, **kw)
+        got = out.flatten(0, 1).float()
+        if fp8:
+            got = got * gated.out_scale.repeat_interleave(FP8_GROUP, dim=1)
+        placed = ids.reshape(-1) >= 0
+        assert_close(got[placed], expected[placed], dtype=FP8 if fp8 else dtype)
+    with expect_raises(InvalidInputError, match="interleave is for a gated GEMM"):
+        fused_moe_gemm(a, w, torch.empty(M, topk, N, device=device), blocks, pairs_per_row=topk, config=cfg, **kw)
+
+
 def test_errors(device):
     ids = torch.zeros(4, 2, dtype=torch.int32, device=device)
     blocks = moe_align_block_size(ids, 16, 2)
