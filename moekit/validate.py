@@ -137,11 +137,7 @@ def check_float(t: torch.Tensor, name: str, *, dims: int, allow_fp8: bool = Fals
 
 
 def check_moe_inputs(
-    hidden: torch.Tensor,
-    w1: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
+    hidden: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
 ) -> None:
     """Shapes of a whole MoE call: hidden [M, K], w1 [E, N, K], w2 [E, K, N/2], topk [M, topk]."""
     check_float(hidden, "hidden", dims=2)

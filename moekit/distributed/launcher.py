@@ -85,12 +85,7 @@ def _child(rank, world_size, port, backend, ref: _FnRef, args, timeout_s, result
 
 
 def launch(
-    fn: Callable[..., Any],
-    world_size: int,
-    *,
-    backend: str | None = None,
-    args: tuple = (),
-    timeout_s: float = 120.0,
+    fn: Callable[..., Any], world_size: int, *, backend: str | None = None, args: tuple = (), timeout_s: float = 120.0
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes; return their results.
 

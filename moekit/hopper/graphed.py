@@ -11,8 +11,9 @@ call with it, and replays it afterwards::
     out = kernel(hidden, w1, w2, topk_weights, topk_ids)    # first call: plain forward, then capture
     out = kernel(hidden2, w1, w2, topk_weights2, topk_ids2)  # same signature: copy in, replay
 
-Per replay: the three per-token inputs are copied into the graph's own buffers, the graph runs,
-and its output is cloned (so a result stays valid after the next call). Everything else is
+Per replay: the three per-token inputs are copied into the graph's own buffers (one Triton launch,
+which also marks the rows past M empty), the graph runs, and its output is cloned (so a result
+stays valid after the next call). Everything else is
 baked into the graph by address: the weights (and scales, map, a2_scale) must stay where they
 are; changing their values in place is fine, a new tensor is a new signature. The first call
 with a signature runs the plain forward, checked in full by ``ModularKernel``; a later call with
@@ -52,9 +53,13 @@ import threading
 from dataclasses import dataclass, field
 
 import torch
+import triton
+import triton.language as tl
 
 from moekit.device import interpreting
 from moekit.errors import InvalidInputError
+from moekit.hopper.launch import LeanLauncher, launch_key
+from moekit.kernels.host_math import next_power_of_2
 from moekit.modular_kernel import ModularKernel
 from moekit.validate import check_map_values, check_positive_int, check_scale_values
 from moekit.workspace import WorkspacePool, pool_device
@@ -68,8 +73,7 @@ class _Graph:
     inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # hidden, topk_weights, topk_ids
     output: torch.Tensor
     runner: ModularKernel  # the kernel on the device's shared workspace pool
-    rows: int  # M of the last replay: the ids past it are -1
-    views: dict = field(default_factory=dict)  # M -> the inputs' and the output's first M rows
+    outputs: dict = field(default_factory=dict)  # M -> the output's first M rows
 
 
 def _tensor_key(t: torch.Tensor | None, *, by_address: bool):
@@ -79,6 +83,43 @@ def _tensor_key(t: torch.Tensor | None, *, by_address: bool):
         return ("value", t)
     key = (tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
     return key + (t.data_ptr(),) if by_address else key
+
+
+@triton.jit
+def _copy_row(to, source, stride, n, BLOCK: tl.constexpr):
+    cols = tl.arange(0, BLOCK)
+    tl.store(to + cols, tl.load(source + cols * stride, mask=cols < n), mask=cols < n)
+
+
+@triton.jit
+def _copy_in_kernel(sources, targets, M, K, TOPK, strides, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Row ``r`` of the graph's inputs: the caller's row r for r < M, an empty slot (ids -1) past it."""
+    hidden, weights, ids = sources  # any strides
+    hidden_to, weights_to, ids_to = targets  # contiguous
+    hs0, hs1, ws0, ws1, is0, is1 = strides
+    r = tl.program_id(0).to(tl.int64)
+    if r < M:
+        _copy_row(weights_to + r * TOPK, weights + r * ws0, ws1, TOPK, BLOCK_T)
+        _copy_row(ids_to + r * TOPK, ids + r * is0, is1, TOPK, BLOCK_T)
+        for k0 in range(0, K, BLOCK_K):
+            _copy_row(hidden_to + r * K + k0, hidden + r * hs0 + k0 * hs1, hs1, K - k0, BLOCK_K)
+    else:
+        slots = tl.arange(0, BLOCK_T)
+        tl.store(ids_to + r * TOPK + slots, tl.full([BLOCK_T], -1, ids_to.dtype.element_ty), mask=slots < TOPK)
+
+
+_COPY_IN = LeanLauncher(_copy_in_kernel)
+
+
+def copy_in(inputs: tuple, hidden, topk_weights, topk_ids, *, stream: tuple[int, int] | None = None) -> None:
+    """Copy the caller's ``hidden``, ``topk_weights`` and ``topk_ids`` (M rows, any strides) into a graph's
+    contiguous ``inputs`` (its rows, >= M), and mark the rows past M empty (ids -1), in one launch."""
+    (M, K), topk = hidden.shape, topk_ids.shape[1]
+    sources, strides = (hidden, topk_weights, topk_ids), (*hidden.stride(), *topk_weights.stride(), *topk_ids.stride())
+    consts = dict(BLOCK_K=min(next_power_of_2(K), 2048), BLOCK_T=next_power_of_2(topk), num_warps=4)
+    key = launch_key((*sources, *inputs, M, K, topk, *strides), consts)
+    grid = (inputs[0].shape[0],)  # the graph's rows
+    _COPY_IN(grid, (sources, inputs, M, K, topk, strides), key=key, constexprs=lambda: consts, stream=stream)
 
 
 def graph_rows(M: int, max_tokens: int | None) -> int | None:
@@ -173,23 +214,19 @@ class GraphedKernel:
 
     def _replay(self, entry: _Graph, hidden, topk_weights, topk_ids) -> torch.Tensor:
         M = hidden.shape[0]
-        views = entry.views.get(M)
-        if views is None:
-            views = entry.views[M] = tuple(t[:M] for t in (*entry.inputs, entry.output))
-        raw = torch._C._cuda_getCurrentRawStream(entry.output.device.index)  # 1 us; a Stream object costs 4
+        output = entry.outputs.get(M)
+        if output is None:
+            output = entry.outputs[M] = entry.output[:M]
+        device = entry.output.device.index
+        raw = torch._C._cuda_getCurrentRawStream(device)  # 1 us; a Stream object costs 4
         if raw != self._raw:  # on one stream its order is the wait (an event recorded per call cost 10 us)
             current = torch.cuda.current_stream(hidden.device)
             if self._last is not None:  # another stream waits for the last one's replay and output copy
                 current.wait_stream(self._last)
             self._raw, self._last = raw, current
-        if entry.rows != M:  # the rows past M become empty slots
-            entry.inputs[2][M:].fill_(-1)
-            entry.rows = M
-        views[0].copy_(hidden)
-        views[1].copy_(topk_weights)
-        views[2].copy_(topk_ids)
+        copy_in(entry.inputs, hidden, topk_weights, topk_ids, stream=(device, raw))  # (three copy_ took 21 us)
         entry.graph.replay()
-        return views[3].clone()
+        return output.clone()
 
     def _eager_reason(self, hidden, rows) -> str | None:
         if interpreting() or not isinstance(hidden, torch.Tensor) or hidden.device.type != "cuda":
@@ -260,5 +297,5 @@ class GraphedKernel:
             self.last_mode = f"eager: capture failed ({self._failed[key]})"
             return None
         self.last_mode = "captured"
-        entry = self._graphs[key] = _Graph(graph, inputs, output, runner, hidden.shape[0])
+        entry = self._graphs[key] = _Graph(graph, inputs, output, runner)
         return entry

@@ -8,18 +8,10 @@ works without transformers, and the functions that need it raise
 :class:`moekit.errors.OptionalDependencyError` naming the extra to install.
 """
 
-import importlib
+from moekit import lazy_attributes
 
-_SUBMODULES = ("transformers",)
-
-
-def __getattr__(name):
-    # `moekit.integrations.transformers` without an explicit import of the submodule.
-    if name in _SUBMODULES:
-        module = importlib.import_module(f"{__name__}.{name}")
-        globals()[name] = module
-        return module
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# `moekit.integrations.transformers` without an explicit import of the submodule.
+__getattr__ = lazy_attributes(__name__, {}, ("transformers",))
 
 
 __all__ = ["transformers"]

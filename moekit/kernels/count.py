@@ -163,11 +163,7 @@ def _check(topk_ids, num_local_experts, expert_map, method) -> None:
 
 
 def count_expert_num_tokens(
-    topk_ids: torch.Tensor,
-    num_local_experts: int,
-    expert_map: torch.Tensor | None = None,
-    *,
-    method: str = "histogram",
+    topk_ids: torch.Tensor, num_local_experts: int, expert_map: torch.Tensor | None = None, *, method: str = "histogram"
 ) -> torch.Tensor:
     """How many (token, slot) pairs go to each local expert, as int32 ``[num_local_experts]``.
 

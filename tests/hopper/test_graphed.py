@@ -8,7 +8,7 @@ import torch
 import moekit
 from moekit.errors import InvalidIdsError, InvalidInputError
 from moekit.experts import TritonExperts
-from moekit.hopper.graphed import GraphedKernel, graph_rows
+from moekit.hopper.graphed import GraphedKernel, copy_in, graph_rows
 from moekit.modular_kernel import ModularKernel
 from moekit.prepare_finalize import NoEPPrepareFinalize
 from moekit.reference import moe_reference
@@ -122,6 +122,22 @@ def test_a_copy_keeps_the_settings_and_no_graph(how):
     twin = copy.deepcopy(graphed) if how == "deepcopy" else pickle.loads(pickle.dumps(graphed))
     assert (twin.max_graphs, twin.max_tokens, twin.kernel.chunk_size, twin.num_graphs) == (3, 32, 4, 0)
     assert twin.last_mode == "none" and twin.kernel is not graphed.kernel
+
+
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+def test_copy_in_fills_the_graph_rows_and_empties_the_rest(device, ids_dtype):
+    # One launch copies M rows of any strides into a graph's contiguous rows; rows past M become empty slots.
+    for M, rows, K, topk in ((1, 1, 96, 2), (5, 8, 3000, 8), (7, 16, 64, 3)):  # K past one 2048-wide block
+        hidden = torch.randn(K, M, device=device, dtype=torch.bfloat16).t()  # column-major
+        weights = torch.rand(M, 2 * topk, device=device)[:, ::2]  # every other column
+        ids = torch.randint(0, 9, (M, topk), device=device, dtype=ids_dtype)
+        inputs = (torch.randn(rows, K, device=device).bfloat16(), torch.rand(rows, topk, device=device))
+        inputs += (torch.randint(0, 9, (rows, topk), device=device, dtype=ids_dtype),)
+        before = [t.clone() for t in inputs]
+        copy_in(inputs, hidden, weights, ids)
+        assert torch.equal(inputs[0][:M], hidden) and torch.equal(inputs[1][:M], weights)
+        assert torch.equal(inputs[2][:M], ids) and (inputs[2][M:] == -1).all()
+        assert torch.equal(inputs[0][M:], before[0][M:])  # past M only the ids are read (as empty slots)
 
 
 def test_graph_rows_round_up_to_a_power_of_two_up_to_max_tokens():
