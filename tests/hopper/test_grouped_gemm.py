@@ -7,6 +7,7 @@ import torch
 
 from moekit.errors import InvalidInputError, QuantizationError
 from moekit.hopper.configs import KernelConfig
+from moekit.hopper.gemm_args import RowWindow
 from moekit.hopper.grouped_gemm import GatedOutput, fused_moe_gemm
 from moekit.kernels.align import moe_align_block_size
 from moekit.quant import (
@@ -230,9 +231,12 @@ def test_interleaved_gate_up_matches_the_spec(device, kind):
     else:
         a, w = a.to(dtype), w.to(dtype)
         expected = silu_and_mul(gemm_spec(a, w, ids, topk))
-    for tma, persistent in ((False, False), (True, False), (True, True)):
-        cfg = KernelConfig(16, 128 if fp8 else 64, 64, tma=tma, persistent=persistent, interleave=True)
-        blocks = moe_align_block_size(ids, 16, E, keep_empty=True)
+    placed = ids.reshape(-1) >= 0
+    cases = [(16, False, False, 0), (16, True, False, 0), (16, True, True, 0), (32, True, False, 16)]  # fmt: skip
+    for block_m, tma, persistent, tail in cases:  # (BLOCK_M, TMA weights, persistent walk, TAIL_M)
+        bn = 128 if fp8 else 64
+        cfg = KernelConfig(block_m, bn, 64, tma=tma, persistent=persistent, TAIL_M=tail, interleave=True)
+        blocks = moe_align_block_size(ids, block_m, E, keep_empty=True)
         if fp8:
             out = torch.empty(M, topk, N // 2, device=device, dtype=FP8)
             gated = GatedOutput(out_scale=torch.empty(M * topk, N // 2 // FP8_GROUP, device=device))
@@ -242,8 +246,17 @@ def test_interleaved_gate_up_matches_the_spec(device, kind):
         got = out.flatten(0, 1).float()
         if fp8:
             got = got * gated.out_scale.repeat_interleave(FP8_GROUP, dim=1)
-        placed = ids.reshape(-1) >= 0
         assert_close(got[placed], expected[placed], dtype=FP8 if fp8 else dtype)
+    if not fp8:  # a row chunk's GEMM1 (written by position), the persistent walk: row r holds pair sorted[s + r]
+        cfg = KernelConfig(32, 64, 64, tma=True, persistent=True, interleave=True)  # blocks: the last case's 32 rows
+        sorted_ids = blocks.sorted_token_ids.tolist()
+        for s in range(0, len(sorted_ids), 32):
+            ws = torch.full((32, 1, N // 2), float("nan"), device=device, dtype=dtype)
+            chunk = RowWindow(s, s + 32, write="position")
+            fused_moe_gemm(a, w, ws, blocks, pairs_per_row=topk, config=cfg, gated=gated, chunk=chunk)
+            live = [(r, p) for r, p in enumerate(sorted_ids[s : s + 32]) if p < M * topk and placed[p]]
+            rows, pairs = zip(*live, strict=True) if live else ((), ())
+            assert_close(ws[list(rows), 0].float(), expected[list(pairs)], dtype=dtype)
     with expect_raises(InvalidInputError, match="interleave is for a gated GEMM"):
         fused_moe_gemm(a, w, torch.empty(M, topk, N, device=device), blocks, pairs_per_row=topk, config=cfg, **kw)
 
