@@ -90,8 +90,9 @@ def offline_h200(compiled: list):
         driver.set_active(None)  # (reset_active would look for a real GPU)
 
 
-def moekit_gemms() -> list[tuple[str, object, dict]]:
-    """moekit's two GEMMs as ``HopperTritonExperts(fuse_activation=True)`` launches them."""
+def moekit_gemms(extra: tuple = ()) -> list[tuple[str, object, dict]]:
+    """moekit's two GEMMs as ``HopperTritonExperts(fuse_activation=True)`` launches them, then gated
+    GEMM1 with each config of ``extra`` (``KernelConfig``s)."""
     from moekit.hopper import grouped_gemm as gg
     from moekit.hopper.configs import get_config
     from moekit.hopper.gemm_args import GatedOutput
@@ -112,10 +113,14 @@ def moekit_gemms() -> list[tuple[str, object, dict]]:
                           config=cfg1, gated=GatedOutput())  # fmt: skip
         gg.fused_moe_gemm(empty(M * TOPK, I), empty(E, K, I), empty(M, TOPK, K), blocks(cfg2.BLOCK_M), pairs_per_row=1,
                           config=cfg2)  # fmt: skip
-    tiles = [
-        dict(BM=c.BLOCK_M, BN=c.BLOCK_N * n, BK=c.BLOCK_K, K=k, note=str(c)) for c, n, k in ((cfg1, 2, K), (cfg2, 1, I))
-    ]
-    return list(zip(["moekit GEMM1 gated", "moekit GEMM2"], compiled, tiles, strict=True))
+        for cfg in extra:
+            w1, gated = empty(E, 2 * I, K), GatedOutput()
+            gg.fused_moe_gemm(empty(M, K), w1, empty(M, TOPK, I), blocks(cfg.BLOCK_M), pairs_per_row=TOPK, config=cfg,
+                              gated=gated)  # fmt: skip
+    gemms = ((cfg1, 2, K), (cfg2, 1, I), *((c, 2, K) for c in extra))  # (a gated product is 2 * BLOCK_N wide)
+    tiles = [dict(BM=c.BLOCK_M, BN=c.BLOCK_N * n, BK=c.BLOCK_K, K=k, note=str(c)) for c, n, k in gemms]
+    names = ["moekit GEMM1 gated", "moekit GEMM2", *(f"moekit GEMM1 gated #{i + 1}" for i in range(len(extra)))]
+    return list(zip(names, compiled, tiles, strict=True))
 
 
 @triton.jit
@@ -235,10 +240,14 @@ def main() -> None:
     p.add_argument("--tk", type=Path, default=found[0] if found else None,
                    help="folder holding the triton_kernels package (release/3.6.x)")  # fmt: skip
     p.add_argument("--dump", type=Path, help="write each kernel's PTX and SASS here")
+    p.add_argument("--gemm1", default="", help="more gated GEMM1 tiles, comma-separated benchmarks.triton_tiles.C "
+                   "specs ('128x128x64 g8 w8 s4 t p i': i = gate and up in one interleaved accumulator)")  # fmt: skip
     args = p.parse_args()
     print(f"triton {triton.__version__} ({Path(triton.__file__).parent}), sm_90a offline, 132 SMs; Qwen3-30B-A3B "
           f"bf16 E={E} topk={TOPK} K={K} I={I}, M={M} ({M * TOPK // E} rows per expert)")  # fmt: skip
-    kernels = moekit_gemms()
+    from benchmarks.triton_tiles import C
+
+    kernels = moekit_gemms(tuple(C(spec.strip()) for spec in args.gemm1.split(",") if spec.strip()))
     if args.tk is None:
         print("triton_kernels not found (--tk): moekit only")
     else:
