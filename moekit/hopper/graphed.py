@@ -111,9 +111,10 @@ def _copy_in_kernel(sources, targets, M, K, TOPK, strides, BLOCK_K: tl.constexpr
 _COPY_IN = LeanLauncher(_copy_in_kernel)
 
 
-def copy_in(inputs: tuple, hidden, topk_weights, topk_ids, *, stream: tuple[int, int] | None = None) -> None:
+def _copy_in(inputs: tuple, hidden, topk_weights, topk_ids, *, stream: tuple[int, int] | None = None) -> None:
     """Copy the caller's ``hidden``, ``topk_weights`` and ``topk_ids`` (M rows, any strides) into a graph's
-    contiguous ``inputs`` (its rows, >= M), and mark the rows past M empty (ids -1), in one launch."""
+    contiguous ``inputs`` (its rows, >= M), and mark the rows past M empty (ids -1), in one launch. Unchecked:
+    a replay's signature holds the sizes and dtypes (the plain forward checked them)."""
     (M, K), topk = hidden.shape, topk_ids.shape[1]
     sources, strides = (hidden, topk_weights, topk_ids), (*hidden.stride(), *topk_weights.stride(), *topk_ids.stride())
     consts = dict(BLOCK_K=min(next_power_of_2(K), 2048), BLOCK_T=next_power_of_2(topk), num_warps=4)
@@ -224,7 +225,7 @@ class GraphedKernel:
             if self._last is not None:  # another stream waits for the last one's replay and output copy
                 current.wait_stream(self._last)
             self._raw, self._last = raw, current
-        copy_in(entry.inputs, hidden, topk_weights, topk_ids, stream=(device, raw))  # (three copy_ took 21 us)
+        _copy_in(entry.inputs, hidden, topk_weights, topk_ids, stream=(device, raw))  # (three copy_ took 21 us)
         entry.graph.replay()
         return output.clone()
 

@@ -8,7 +8,7 @@ import torch
 import moekit
 from moekit.errors import InvalidIdsError, InvalidInputError
 from moekit.experts import TritonExperts
-from moekit.hopper.graphed import GraphedKernel, copy_in, graph_rows
+from moekit.hopper.graphed import GraphedKernel, _copy_in, graph_rows
 from moekit.modular_kernel import ModularKernel
 from moekit.prepare_finalize import NoEPPrepareFinalize
 from moekit.reference import moe_reference
@@ -134,7 +134,7 @@ def test_copy_in_fills_the_graph_rows_and_empties_the_rest(device, ids_dtype):
         inputs = (torch.randn(rows, K, device=device).bfloat16(), torch.rand(rows, topk, device=device))
         inputs += (torch.randint(0, 9, (rows, topk), device=device, dtype=ids_dtype),)
         before = [t.clone() for t in inputs]
-        copy_in(inputs, hidden, weights, ids)
+        _copy_in(inputs, hidden, weights, ids)
         assert torch.equal(inputs[0][:M], hidden) and torch.equal(inputs[1][:M], weights)
         assert torch.equal(inputs[2][:M], ids) and (inputs[2][M:] == -1).all()
         assert torch.equal(inputs[0][M:], before[0][M:])  # past M only the ids are read (as empty slots)
