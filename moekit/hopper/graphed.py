@@ -13,15 +13,14 @@ call with it, and replays it afterwards::
 
 Per replay: the three per-token inputs are copied into the graph's own buffers (one Triton launch,
 which also marks the rows past M empty), the graph runs, and its output is cloned (so a result
-stays valid after the next call). Everything else is
-baked into the graph by address: the weights (and scales, map, a2_scale) must stay where they
-are; changing their values in place is fine, a new tensor is a new signature. The first call
-with a signature runs the plain forward, checked in full by ``ModularKernel``; a later call with
-the same signature skips the checks of shapes, dtypes and strides (already accepted), but reads
-the values of an ``expert_map`` and an ``a2_scale`` again (a small read-back each; not for a map
-passed as ``moekit.owned_placement`` or a scale made by ``moekit.owned_scale``): the caller may
-have written them since, and a replay runs no check of its own (ids are not range-checked on the
-GPU in either path).
+stays valid after the next call). Everything else is baked into the graph by address: the weights
+(and scales, map, a2_scale) must stay where they are; changing their values in place is fine, a new
+tensor is a new signature. The first call with a signature runs the plain forward, checked in full
+by ``ModularKernel``; a later call with the same signature skips the checks of shapes, dtypes and
+strides (already accepted), but reads the values of an ``expert_map`` and an ``a2_scale`` again (a
+small read-back each; not for a map passed as ``moekit.owned_placement`` or a scale made by
+``moekit.owned_scale``): the caller may have written them since, and a replay runs no check of its
+own (ids are not range-checked on the GPU in either path).
 
 With ``max_tokens`` set (``moekit.fused_moe`` sets 128), a call of M tokens replays the graph of
 the next power of two, at most ``max_tokens``: its rows past M hold empty slots (id -1), which no
