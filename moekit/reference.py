@@ -98,37 +98,3 @@ def moe_reference(
     if not apply_weights:
         return per_slot
     return (per_slot * topk_weights.float().unsqueeze(-1)).sum(dim=1)
-
-
-def moe_reference_loop(
-    hidden: torch.Tensor,
-    w1: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    *,
-    expert_map: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The same function written as one Python loop over (token, slot) pairs.
-
-    Slow; it exists so that tests can check :func:`moe_reference` against the most literal
-    reading of the spec.
-    """
-    M, K = hidden.shape
-    E_local = w1.shape[0]
-    out = torch.zeros(M, K, dtype=torch.float32)
-    for m in range(M):
-        for j in range(topk_ids.shape[1]):
-            g = int(topk_ids[m, j])
-            if g < 0:
-                continue
-            if expert_map is None:
-                e = g if g < E_local else -1
-            else:
-                e = int(expert_map[g]) if g < expert_map.numel() else -1
-            if e < 0:
-                continue
-            h = w1[e].float() @ hidden[m].float()
-            a = silu_and_mul(h)
-            out[m] += float(topk_weights[m, j]) * (w2[e].float() @ a)
-    return out

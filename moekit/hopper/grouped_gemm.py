@@ -35,7 +35,7 @@ import triton.language as tl
 from moekit.device import interpreting
 from moekit.hopper.configs import KernelConfig
 from moekit.hopper.gemm_args import GatedOutput, RowWindow, check_gemm_args
-from moekit.hopper.launch import LeanLauncher, sm_count
+from moekit.hopper.launch import LeanLauncher, kept_descriptor, sm_count
 from moekit.hopper.pair_blocks import PairBlocks
 from moekit.hopper.pdl import pdl_begin
 from moekit.kernels.activation import clamp_fp8, quantize_fp8_rows, round_for_store
@@ -486,10 +486,10 @@ def fused_moe_gemm(
     # in [BLOCK_M, BLOCK_K] boxes (a tile's rows are consecutive there). None where TMA cannot read them.
     # With interleave, w [E, 2N, K] as [E, N, 2, K] in [1, BLOCK_N, 2, BLOCK_K] boxes (rows gate n, up n, ...).
     if config.tma and config.interleave:
-        w_desc = gate_up_descriptor(w, [1, config.BLOCK_N, 2, config.BLOCK_K])
+        w_desc = kept_descriptor(gate_up_descriptor, w, [1, config.BLOCK_N, 2, config.BLOCK_K])
     else:
-        w_desc = weight_descriptor(w, [config.BLOCK_N, config.BLOCK_K]) if config.tma else None
-    a_desc = tma_descriptor(a, [config.BLOCK_M, config.BLOCK_K]) if config.tma and read_pos else None
+        w_desc = kept_descriptor(weight_descriptor, w, [config.BLOCK_N, config.BLOCK_K]) if config.tma else None
+    a_desc = kept_descriptor(tma_descriptor, a, [config.BLOCK_M, config.BLOCK_K]) if config.tma and read_pos else None
     num_blocks = (end - start) // config.BLOCK_M
     pairs = isinstance(blocks, PairBlocks)
     emap = blocks.expert_map if pairs else None

@@ -144,3 +144,93 @@ def test_a_book_launch_runs_lean_with_the_same_result(device):
     assert base != L.launch_key((t, t, 16, 3), {"B": 1})  # None against a tensor
     assert base != L.launch_key((t, None, 1, 3), {"B": 1})  # an int's class
     assert base == L.launch_key((t, None, 32, 5), {"B": 1}) and base != L.launch_key((t, None, 16, 3), {"B": 2})
+
+
+def _builders():
+    from moekit.kernels.tma import gate_up_descriptor, tma_descriptor, weight_descriptor
+
+    w = torch.randn(3, 64, 32, dtype=torch.bfloat16)
+    return [(weight_descriptor, w, [16, 32]), (gate_up_descriptor, w, [1, 16, 2, 32]),
+            (tma_descriptor, torch.randn(40, 32), [8, 32])]  # fmt: skip
+
+
+def test_a_kept_descriptor_is_a_fresh_one_without_its_tensor(monkeypatch):
+    """kept_descriptor: what the builder gives, once per contents (device, address, dtype, shape,
+    strides, box), with a base that keeps no tensor alive; None is kept too."""
+    import weakref
+
+    monkeypatch.setattr(L, "interpreting", lambda: False)
+    monkeypatch.setattr(L, "_DESCRIPTORS", {})
+    for build, t, box in _builders():
+        fresh, kept = build(t, box), L.kept_descriptor(build, t, box)
+        assert (kept.shape, kept.strides, kept.block_shape, kept.padding) == (
+            fresh.shape, fresh.strides, fresh.block_shape, fresh.padding)  # fmt: skip
+        assert type(kept.base) is L._Address and (kept.base.data_ptr(), kept.base.dtype) == (t.data_ptr(), t.dtype)
+        assert L.kept_descriptor(build, t.detach(), box) is kept  # another tensor, the same contents
+        assert L.kept_descriptor(build, t, [b * 2 if b > 2 else b for b in box]) is not kept  # another box
+        other = t.clone()
+        assert L.kept_descriptor(build, other, box).base.data_ptr() == other.data_ptr()  # another address
+    w = torch.randn(3, 64, 32, dtype=torch.bfloat16)
+    alive = weakref.ref(w)
+    from moekit.kernels.tma import weight_descriptor
+
+    assert L.kept_descriptor(weight_descriptor, w[:, :, :16], [16, 16]) is None  # not TMA-readable: kept as such
+    L.kept_descriptor(weight_descriptor, w, [16, 32])
+    del w
+    assert alive() is None  # the kept descriptors hold no tensor
+    monkeypatch.setattr(L, "_MAX_KEYS", len(L._DESCRIPTORS))
+    L.kept_descriptor(weight_descriptor, torch.randn(2, 16, 32), [16, 32])
+    assert len(L._DESCRIPTORS) == 1  # bounded: full, forgotten, then the new one
+
+
+def test_tritons_launcher_reads_a_kept_descriptor_as_a_fresh_one(monkeypatch):
+    """What a compiled launch does with a descriptor argument (Triton's NVIDIA driver, the installed
+    version: specialize it, then encode a tensor map from base.data_ptr(), shape and strides) gives
+    the same for a kept descriptor as for a fresh one (the encoding itself is stood in for)."""
+    import inspect
+
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+    from triton.backends.nvidia import driver as nvidia
+    from triton.runtime import driver
+
+    encoded = []
+    utils = SimpleNamespace(fill_tma_descriptor_tiled=lambda *a: encoded.append(a) or len(encoded))
+    utils.fill_tma_descriptor = utils.fill_tma_descriptor_tiled  # (the name in Triton 3.6)
+    monkeypatch.setattr(L, "interpreting", lambda: False)
+    monkeypatch.setattr(L, "_DESCRIPTORS", {})
+    extra = [None] * (len(inspect.signature(nvidia.make_tensordesc_arg).parameters) - 2)
+    monkeypatch.setattr(driver, "_active", SimpleNamespace(utils=utils))  # (restored after the test)
+    for build, t, box in _builders():
+        fresh, kept = build(t, box), L.kept_descriptor(build, t, box)
+        spec = [native_specialize_impl(BaseBackend, d, False, True, True) for d in (fresh, kept)]
+        assert spec[0] == spec[1] and spec[0][0].startswith("tensordesc<")
+        meta = dict(swizzle=128, elem_size=t.element_size(), elem_type=1, block_size=box, fp4_padded=False)
+        args = [nvidia.make_tensordesc_arg(d, meta, *extra) for d in (fresh, kept)]
+        assert args[0][1:] == args[1][1:] and encoded[-2] == encoded[-1] and encoded[-1][0] == t.data_ptr()
+
+
+@pytest.mark.gpu
+def test_kept_descriptors_read_what_is_at_their_address_now(device):
+    """On a GPU the TMA GEMM gives bit for bit what it gives with fresh descriptors, also after the
+    weights at a kept address were overwritten."""
+    from moekit.hopper.configs import KernelConfig
+    from moekit.hopper.grouped_gemm import fused_moe_gemm
+    from moekit.kernels.align import moe_align_block_size
+
+    M, K, N, E, topk = 37, 128, 192, 4, 2
+    cfg = KernelConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, tma=True)
+    ids = torch.randint(0, E, (M, topk), device=device)
+    a, w = torch.randn(M, K, device=device, dtype=torch.bfloat16), torch.randn(E, N, K, device=device).bfloat16()
+    blocks = moe_align_block_size(ids, 16, E, keep_empty=True)
+    for _ in range(2):
+        outs = []
+        for kept in (True, False):
+            out = torch.empty(M, topk, N, device=device, dtype=torch.bfloat16)
+            with pytest.MonkeyPatch.context() as patch:
+                if not kept:
+                    patch.setattr(L, "_DESCRIPTORS", {})  # a fresh build for this launch
+                fused_moe_gemm(a, w, out, blocks, pairs_per_row=topk, config=cfg)
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1])
+        w.copy_(torch.randn_like(w, dtype=torch.float32))  # the same address, new contents
