@@ -214,8 +214,8 @@ def test_tritons_launcher_reads_a_kept_descriptor_as_a_fresh_one(monkeypatch):
 def test_kept_descriptors_read_what_is_at_their_address_now(device):
     """On a GPU the TMA GEMM gives bit for bit what it gives with fresh descriptors, also after the
     weights at a kept address were overwritten."""
+    from moekit.hopper import grouped_gemm as G
     from moekit.hopper.configs import KernelConfig
-    from moekit.hopper.grouped_gemm import fused_moe_gemm
     from moekit.kernels.align import moe_align_block_size
 
     M, K, N, E, topk = 37, 128, 192, 4, 2
@@ -228,9 +228,9 @@ def test_kept_descriptors_read_what_is_at_their_address_now(device):
         for kept in (True, False):
             out = torch.empty(M, topk, N, device=device, dtype=torch.bfloat16)
             with pytest.MonkeyPatch.context() as patch:
-                if not kept:
-                    patch.setattr(L, "_DESCRIPTORS", {})  # a fresh build for this launch
-                fused_moe_gemm(a, w, out, blocks, pairs_per_row=topk, config=cfg)
+                if not kept:  # descriptors built afresh, on the tensors
+                    patch.setattr(G, "kept_descriptor", lambda build, t, box: build(t, box))
+                G.fused_moe_gemm(a, w, out, blocks, pairs_per_row=topk, config=cfg)
             outs.append(out)
         assert torch.equal(outs[0], outs[1])
         w.copy_(torch.randn_like(w, dtype=torch.float32))  # the same address, new contents
