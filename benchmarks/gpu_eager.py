@@ -7,9 +7,10 @@ cost of one call alone (synchronized before it, so the GPU never makes it wait; 
 them, in the same run: the host cost of a bare Triton launch and of ``torch.empty``, and the CPU
 model, so a figure from another host can be compared. Qwen3-30B-A3B's layer in bf16::
 
-    python -m benchmarks.gpu_eager [--moekit PATH] [--label NAME] [--out DIR] [--quick]
+    python -m benchmarks.gpu_eager [--moekit PATH] [--label NAME] [--out DIR] [--quick] [--only rows]
 
-``--moekit`` imports moekit from another checkout (a before/after comparison in one run).
+``--moekit`` imports moekit from another checkout (a before/after comparison in one run); ``--only rows``
+times the row plan alone (M=16384: one chunk, R=8192 rows, C=1024 tokens).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def _args(argv):
     ap.add_argument("--calls", type=int, default=1000)
     ap.add_argument("--quick", action="store_true", help="fewer sizes (a smoke run)")
     ap.add_argument("--hf", action="store_true", help="also the transformers integration beside transformers' own")
+    ap.add_argument("--only", choices=["rows"], default=None, help="only the row plan's cases")
     return ap.parse_args(argv)
 
 
@@ -233,10 +235,13 @@ def main() -> int:
     print(json.dumps(result), flush=True)
     w1, w2 = weights()
     with torch.no_grad():
-        result["rows"] = layer_rows(w1, w2, ARGS.calls, ARGS.quick) + fused_moe_rows(w1, w2, ARGS.calls)
-        if not ARGS.quick:
+        if ARGS.only == "rows":
+            result["rows"] = rows_rows(w1, w2, ARGS.calls)
+        else:
+            result["rows"] = layer_rows(w1, w2, ARGS.calls, ARGS.quick) + fused_moe_rows(w1, w2, ARGS.calls)
+        if not ARGS.quick and ARGS.only is None:
             result["rows"] += rows_rows(w1, w2, ARGS.calls)
-        if ARGS.hf:
+        if ARGS.hf and ARGS.only is None:
             del w1, w2
             torch.cuda.empty_cache()
             result["rows"] += hf_rows(ARGS.calls)
