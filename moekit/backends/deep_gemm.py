@@ -14,12 +14,12 @@ layout (:mod:`moekit.kernels.contiguous_gemm`).
 3. moekit runs on a CUDA GPU of compute capability 9.x (Hopper);
 4. the package imports, and it exposes one of the two known APIs:
 
-   ======  ============================================  =======================================
-   api     grouped contiguous GEMM                       row alignment of the layout
-   ======  ============================================  =======================================
-   "1.0"   ``m_grouped_gemm_fp8_fp8_bf16_nt_contiguous``  ``get_m_alignment_for_contiguous_layout``
-   "v2"    ``m_grouped_fp8_gemm_nt_contiguous``           ``get_mk_alignment_for_contiguous_layout``
-   ======  ============================================  =======================================
+   ======  ============================================
+   api     grouped contiguous GEMM
+   ======  ============================================
+   "1.0"   ``m_grouped_gemm_fp8_fp8_bf16_nt_contiguous``
+   "v2"    ``m_grouped_fp8_gemm_nt_contiguous``
+   ======  ============================================
 
    Both take ``((a, a_scale), (b, b_scale), out, m_indices)`` in that order. 1.0 also has
    ``get_col_major_tma_aligned_tensor`` (the scale layout moekit already produces).
@@ -62,11 +62,11 @@ import torch
 
 from moekit.errors import BackendUnavailableError, InvalidInputError
 
-_APIS = {  # api -> (gemm, alignment); v2 first: v2 keeps a 1.0-style alias for the alignment only
-    "v2": ("m_grouped_fp8_gemm_nt_contiguous", "get_mk_alignment_for_contiguous_layout"),
-    "1.0": ("m_grouped_gemm_fp8_fp8_bf16_nt_contiguous", "get_m_alignment_for_contiguous_layout"),
+_APIS = {  # api -> its grouped contiguous GEMM (v2 kept 1.0 names for other functions only)
+    "v2": "m_grouped_fp8_gemm_nt_contiguous",
+    "1.0": "m_grouped_gemm_fp8_fp8_bf16_nt_contiguous",
 }
-_KNOWN_GEMMS = ", ".join(gemm for gemm, _ in _APIS.values())
+_KNOWN_GEMMS = ", ".join(_APIS.values())
 _HEADER_DIRS = ("deep_gemm", "cute", "cutlass")
 
 
@@ -81,7 +81,7 @@ class DeepGemmStatus:
 
 def detect_api(module: object) -> str | None:
     """``"v2"``, ``"1.0"`` or None: which known contiguous-GEMM API ``module`` exposes."""
-    return next((api for api, (gemm, _) in _APIS.items() if callable(getattr(module, gemm, None))), None)
+    return next((api for api, gemm in _APIS.items() if callable(getattr(module, gemm, None))), None)
 
 
 @dataclass
@@ -262,7 +262,7 @@ class DeepGemmBackend:
         if known is not None:
             raise BackendUnavailableError(known)
         try:
-            getattr(module, _APIS[api][0])((a, a_scale), (b, b_scale), out, m_indices)
+            getattr(module, _APIS[api])((a, a_scale), (b, b_scale), out, m_indices)
         except Exception as e:
             if not _is_build_failure(e):
                 raise
@@ -294,9 +294,3 @@ def _is_build_failure(e: BaseException) -> bool:
     return isinstance(e, subprocess.CalledProcessError) or (
         isinstance(e, RuntimeError | AssertionError) and bool(_BUILD_ERROR.search(str(e)))
     )
-
-
-def m_alignment() -> int:
-    """Rows per block of the contiguous layout (128 on Hopper). Raises if deep_gemm is unusable."""
-    module, api = BACKEND.module()
-    return int(getattr(module, _APIS[api][1])())

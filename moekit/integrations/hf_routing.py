@@ -11,7 +11,9 @@ token's output is NaN, never a plausible answer with a slot silently dropped::
         out_weights[i] = nan if (g < -1 or g > E) else weights[i]
 
 One launch replaces the five elementwise torch ops this takes otherwise (each costs a few µs of
-host time on a slow host, per layer, per forward).
+host time on a slow host, per layer, per forward). On a GPU it runs in the layer's prepare
+(:class:`MarkerPrepareFinalize`), so a replayed CUDA graph holds it and a decode step spends no host
+time on it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import triton.language as tl
 
 from moekit.hopper.launch import run_lean
 from moekit.kernels.host_math import cdiv, next_power_of_2
+from moekit.prepare_finalize import NoEPPrepareFinalize
 from moekit.types import KernelLaunch
 
 _BLOCK = 1024
@@ -71,3 +74,18 @@ def launch_marker_to_moekit(
     args = (ids, weights, out_ids, out_weights, numel, E)
     run_lean(KernelLaunch(_marker_to_moekit_kernel, grid, args, dict(BLOCK=block)), stream=stream)
     return out_ids, out_weights
+
+
+class MarkerPrepareFinalize(NoEPPrepareFinalize):
+    """``NoEPPrepareFinalize`` whose prepare first converts transformers' ids (:func:`launch_marker_to_moekit`,
+    with the layer's expert count as the marker) when ``convert`` is on: the integration's stage on a GPU,
+    where the door reads no ids. On the CPU the door checks the ids' range, so they come converted."""
+
+    def __init__(self, *, convert: bool):
+        super().__init__()
+        self.convert = convert
+
+    def prepare(self, hidden, topk_weights, topk_ids, *, quant, placement):
+        if self.convert:
+            topk_ids, topk_weights = launch_marker_to_moekit(topk_ids, topk_weights, placement.global_num_experts)
+        return super().prepare(hidden, topk_weights, topk_ids, quant=quant, placement=placement)

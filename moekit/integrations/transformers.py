@@ -12,7 +12,7 @@ all it takes::
     model(input_ids)
     moekit_hf.traces(model)        # {"model.layers.0.mlp.experts": Trace, ...}
 
-Every experts module gets its own ``ModularKernel(NoEPPrepareFinalize(), experts, chunk_size=C)``
+Every experts module gets its own ``ModularKernel(MarkerPrepareFinalize(...), experts, chunk_size=C)``
 on its first forward (all layers share one workspace pool per device), after a check that the
 module computes exactly ``down(silu(gate) * up)``: no biases, SiLU, gate rows before up rows, no
 custom gating. Anything else raises :class:`~moekit.errors.UnsupportedModelError`. Routing ids
@@ -83,8 +83,8 @@ class Settings:
     def build_kernel(self, device: torch.device, *, fp8: bool = False):
         """A new ModularKernel for one layer (fp8: for an FP8Experts layer), on this setting's
         shared pool for ``device``."""
+        from moekit.integrations.hf_routing import MarkerPrepareFinalize
         from moekit.modular_kernel import ModularKernel
-        from moekit.prepare_finalize import NoEPPrepareFinalize
         from moekit.types import QuantScheme
 
         pool = self.pools.get(device)
@@ -93,9 +93,8 @@ class Settings:
             raise InvalidInputError(f"the experts factory must return an Experts, got {type(experts).__name__}")
         if fp8 and experts.quant is not QuantScheme.FP8_BLOCK:
             raise InvalidInputError(f"fp8_experts must run QuantScheme.FP8_BLOCK, got {experts!r}")
-        return ModularKernel(
-            NoEPPrepareFinalize(), experts, chunk_size=self.chunk_size, pool=pool, **self.kernel_options
-        )
+        stage = MarkerPrepareFinalize(convert=device.type != "cpu")  # (on the CPU, moekit_routing converts)
+        return ModularKernel(stage, experts, chunk_size=self.chunk_size, pool=pool, **self.kernel_options)
 
 
 @dataclass
@@ -229,7 +228,10 @@ def _forward(settings: Settings, module, hidden_states, top_k_index, top_k_weigh
             stacklevel=3,
         )
     with torch.no_grad():
-        ids, weights = moekit_routing(top_k_index, top_k_weights, w1.shape[0])
+        if hidden_states.device.type == "cpu":  # the door checks ids there: checked and converted first
+            ids, weights = moekit_routing(top_k_index, top_k_weights, w1.shape[0])
+        else:  # converted in the layer's prepare (MarkerPrepareFinalize), inside a replayed graph too
+            ids, weights = top_k_index.contiguous(), top_k_weights.contiguous()
         if fp8:  # prepare quantizes the activations per 1x128 group, as transformers' dynamic scheme
             scales = dict(w1_scale=module.gate_up_proj_scale_inv, w2_scale=module.down_proj_scale_inv)
             out = layer.call(hidden_states.contiguous(), w1, w2, weights, ids, **scales)

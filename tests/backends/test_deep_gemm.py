@@ -90,21 +90,16 @@ def test_detect_api_names():
 
 
 @pytest.mark.parametrize(
-    "api,gemm,align",
-    [
-        ("1.0", "m_grouped_gemm_fp8_fp8_bf16_nt_contiguous", "get_m_alignment_for_contiguous_layout"),
-        ("v2", "m_grouped_fp8_gemm_nt_contiguous", "get_mk_alignment_for_contiguous_layout"),
-    ],
+    "api,gemm", [("1.0", "m_grouped_gemm_fp8_fp8_bf16_nt_contiguous"), ("v2", "m_grouped_fp8_gemm_nt_contiguous")]
 )
-def test_dispatch_to_the_api_found(api, gemm, align, fresh_cache):
+def test_dispatch_to_the_api_found(api, gemm, fresh_cache):
     calls = []
-    module = SimpleNamespace(**{gemm: lambda *args: calls.append(args), align: lambda: 128})
+    module = SimpleNamespace(**{gemm: lambda *args: calls.append(args)})
     a, a_s, out, mi = (torch.zeros(1) + i for i in range(4))
     b, b_s = torch.zeros(2, 4, 8), torch.zeros(2, 1, 1)
     with dg.use(module):
         assert dg.status().usable and dg.status().api == api
         assert dg.grouped_gemm_contiguous(a, a_s, b, b_s, out, mi) is out
-        assert dg.m_alignment() == 128
     ((lhs, rhs, got_out, got_mi),) = calls
     assert lhs[0] is a and lhs[1] is a_s and rhs[0] is b and rhs[1] is b_s
     assert got_out is out and got_mi is mi
@@ -115,8 +110,6 @@ def test_unusable_raises_with_the_reason(fresh_cache):
     x = torch.zeros(2, 4, 8)
     with pytest.raises(BackendUnavailableError, match="moekit runs on the CPU|not installed"):
         dg.grouped_gemm_contiguous(x, x, x, x, x, x)
-    with pytest.raises(BackendUnavailableError, match="moekit runs on the CPU|not installed"):
-        dg.m_alignment()
     with pytest.raises(BackendUnavailableError, match="none of the known"):
         with dg.use(SimpleNamespace()):
             pass

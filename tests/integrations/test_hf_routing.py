@@ -37,3 +37,31 @@ def test_empty_routing_launches_nothing(device):
     ids, w = launch_marker_to_moekit(torch.empty(0, 2, dtype=torch.int64, device=device),
                                      torch.empty(0, 2, device=device), 8)  # fmt: skip
     assert ids.shape == w.shape == (0, 2)
+
+
+def test_the_integrations_prepare_converts_the_ids_where_told(device):
+    """MarkerPrepareFinalize(convert=True): prepare hands the experts moekit's ids and weights (what
+    launch_marker_to_moekit gives, the placement's expert count as the marker); convert=False (the
+    integration on the CPU, where ids come converted) hands on the caller's."""
+    from moekit.integrations.hf_routing import MarkerPrepareFinalize
+    from moekit.types import ExpertPlacement, QuantScheme
+
+    ids = torch.tensor([[0, 1000], [8, 3], [-2, 1], [-1, 2]], device=device)
+    weights, hidden = torch.rand(4, 2, device=device), torch.randn(4, 32, device=device)
+    placement = ExpertPlacement(global_num_experts=8, num_local_experts=8)
+    want_ids, want_weights = launch_marker_to_moekit(ids, weights, 8)
+    got = MarkerPrepareFinalize(convert=True).prepare(hidden, weights, ids, quant=QuantScheme.NONE, placement=placement)
+    assert torch.equal(got.topk_ids, want_ids) and torch.equal(got.topk_weights.isnan(), want_weights.isnan())
+    assert torch.equal(got.topk_weights.nan_to_num(), want_weights.nan_to_num()) and ids[1, 0] == 8  # inputs kept
+    kept = MarkerPrepareFinalize(convert=False).prepare(
+        hidden, weights, ids, quant=QuantScheme.NONE, placement=placement
+    )
+    assert kept.topk_ids is ids and kept.topk_weights is weights
+
+
+def test_the_integration_converts_in_prepare_on_a_gpu_only():
+    from moekit.integrations.transformers import Settings
+
+    settings = Settings("t", TritonExperts, TritonExperts, None, {})
+    assert settings.build_kernel(torch.device("cpu")).prepare_finalize.convert is False
+    assert settings.build_kernel(torch.device("meta")).prepare_finalize.convert is True  # (as on a GPU)
