@@ -1,19 +1,21 @@
 """SASS of the Qwen3-30B-A3B bf16 GEMMs at M=16384, moekit's wing beside triton_kernels, compiled offline.
 
-    .venv/bin/python -m benchmarks.research.sass_compare [--tk DIR] [--dump DIR]
+    .venv/bin/python -m benchmarks.research.sass_compare [--tk DIR] [--dump DIR] [--gemm1 SPECS] [--fp8]
 
 CPU only: both libraries' host code runs on untouched CPU tensors while Triton is shown an sm_90a
 device with 132 SMs and 227 KiB of shared memory per block (an H200); each launch compiles, none
 runs. moekit: gated GEMM1 (silu_and_mul in the epilogue) and GEMM2 with the tile table's configs;
 triton_kernels 3.6: ``matmul_ogs`` as ``../shared/anchors/tk_anchor.py`` calls it (row gather and a
 fused silu(gate) * up, then the scatter with fp32 gammas), with the opt flags its heuristics pick.
-The main loop is the innermost conditional backward branch around HGMMA; in triton_kernels' flattened
+The main loop is the innermost conditional backward branch around HGMMA (QGMMA for fp8); in triton_kernels' flattened
 tile walk it also holds once-per-tile code behind forward branches, so the steady path drops what
 those branches jump over (and never-run ``@!PT`` fillers). Counts are per warp per K-step; per 1k
 MACs multiplies by the warps and divides by the block's MACs per K-step. SASS says what is issued,
 not how long it waits: nothing about speed by itself. The H200 runs Triton 3.6 (this venv: 3.9):
 ``pip install --no-deps --target /tmp/t36 triton==3.6.0`` and ``PYTHONPATH=/tmp/t36`` compile with
 it (registers and shared memory then match Nsight Compute's: ``checks/ncu-*-qwen3-16384-*``).
+``--fp8``: moekit's fp8 gated GEMM1 instead (DeepSeek-V3-like, M=16384, fp8 out with 1x128 scales, as
+the fp8 layer runs it): the table's tile and the ``--gemm1`` ones; triton_kernels is not compiled.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 # class -> opcodes (the part before the first dot; U-prefixed uniform forms count with their class)
 CLASSES = {
-    "HGMMA": "HGMMA",
+    "HGMMA": "HGMMA QGMMA",  # (QGMMA: the fp8 form)
     "WARPGROUP arrive/wait": "WARPGROUP",
     "TMA load (UTMALDG)": "UTMALDG",
     "LDGSTS (cp.async)": "LDGSTS",
@@ -60,6 +62,7 @@ CLASSES = {
     "other": "",
 }
 OPCLASS = {op: c for c, ops in CLASSES.items() for op in ops.split()}
+GMMA = ("HGMMA", "QGMMA")  # warpgroup MMAs: 16-bit, fp8
 
 
 def op_class(ins: str) -> str:
@@ -120,6 +123,33 @@ def moekit_gemms(extra: tuple = ()) -> list[tuple[str, object, dict]]:
     gemms = ((cfg1, 2, K), (cfg2, 1, I), *((c, 2, K) for c in extra))  # (a gated product is 2 * BLOCK_N wide)
     tiles = [dict(BM=c.BLOCK_M, BN=c.BLOCK_N * n, BK=c.BLOCK_K, K=k, note=str(c)) for c, n, k in gemms]
     names = ["moekit GEMM1 gated", "moekit GEMM2", *(f"moekit GEMM1 gated #{i + 1}" for i in range(len(extra)))]
+    return list(zip(names, compiled, tiles, strict=True))
+
+
+def moekit_fp8_gemm1(extra: tuple = ()) -> list[tuple[str, object, dict]]:
+    """moekit's fp8 gated GEMM1 at DeepSeek-V3-like sizes (fp8 out with its 1x128 scales, as the fp8
+    layer launches it): the table's config, then each of ``extra``."""
+    from moekit.hopper import grouped_gemm as gg
+    from moekit.hopper.configs import get_config
+    from moekit.hopper.gemm_args import GatedOutput
+    from moekit.kernels.align import AlignedBlocks, align_shape
+    from moekit.quant import FP8
+
+    gg.sm_count = lambda _: 132
+    m, e, k, i = M, 256, 7168, 2048
+    configs = (get_config(m, 2 * i, k, e, TOPK, FP8, stage=1, gated=True), *extra)
+    compiled = []
+    with offline_h200(compiled):
+        for cfg in configs:
+            shape = align_shape(m * TOPK, e, e, cfg.BLOCK_M)
+            blocks = AlignedBlocks(torch.empty(shape.size, dtype=torch.int32), shape)
+            gated = GatedOutput(out_scale=torch.empty(i // 128, m * TOPK).t())  # column-major, as the layer's
+            gg.fused_moe_gemm(torch.empty(m, k, dtype=FP8), torch.empty(e, 2 * i, k, dtype=FP8),
+                              torch.empty(m, TOPK, i, dtype=FP8), blocks, pairs_per_row=TOPK, config=cfg,
+                              a_scale=torch.empty(k // 128, m).t(), w_scale=torch.empty(e, 2 * i // 128, k // 128),
+                              gated=gated)  # fmt: skip
+    tiles = [dict(BM=c.BLOCK_M, BN=2 * c.BLOCK_N, BK=c.BLOCK_K, K=k, note=str(c), bytes=1) for c in configs]
+    names = ["moekit fp8 GEMM1 gated", *(f"moekit fp8 GEMM1 gated #{n + 1}" for n in range(len(extra)))]
     return list(zip(names, compiled, tiles, strict=True))
 
 
@@ -186,7 +216,7 @@ def target(ins: str) -> int | None:
 def main_loop(code):
     """``(start, end, steady-path instructions, skipped regions)`` of the main loop, and the tile walk's range."""
     back = [(target(i), a, p) for a, p, i in code if target(i) is not None and target(i) < a]
-    mma = [(s, e) for s, e, p in back if p and any(s <= a <= e and i.startswith("HGMMA") for a, _, i in code)]
+    mma = [(s, e) for s, e, p in back if p and any(s <= a <= e and i.startswith(GMMA) for a, _, i in code)]
     start, end = min(mma, key=lambda se: se[1] - se[0])
     skipped = [(a + 16, target(i)) for a, _, i in code if start <= a < end and target(i) and a < target(i) <= end]
     live = lambda a, p: start <= a <= end and p != "@!PT" and not any(s <= a < t for s, t in skipped)
@@ -202,8 +232,8 @@ def report(name: str, kernel, tile: dict) -> dict:
     res = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", cuobjdump(kernel.asm["cubin"], "-res-usage")))
     start, end, steady, skipped, (t0, t1) = main_loop(code)
     per_tile = sum(t0 <= a <= t1 and p != "@!PT" for a, p, _ in code) - len(steady)  # static, outside the steady path
-    shapes = Counter(i.split()[0] for i in steady if i.startswith("HGMMA"))
-    macs = {s: math.prod(int(x) for x in re.match(r"HGMMA\.(\d+)x(\d+)x(\d+)", s).groups()) for s in shapes}
+    shapes = Counter(i.split()[0] for i in steady if i.startswith(GMMA))
+    macs = {s: math.prod(int(x) for x in re.match(r"[HQ]GMMA\.(\d+)x(\d+)x(\d+)", s).groups()) for s in shapes}
     trip_macs = meta.num_warps // 4 * sum(n * macs[s] for s, n in shapes.items())  # one HGMMA per warpgroup
     kstep_macs = tile["BM"] * tile["BN"] * tile["BK"]
     ksteps = trip_macs / kstep_macs  # K-steps per loop trip (1 unless the loop was unrolled)
@@ -227,9 +257,10 @@ def report(name: str, kernel, tile: dict) -> dict:
     for c in ("barrier/sync", "LDGSTS (cp.async)", "other"):
         ops = Counter(i.split()[0] for i in steady if op_class(i) == c)
         print(f"   {c}: " + (", ".join(f"{o} {n / ksteps:g}" for o, n in ops.most_common(8)) or "-"))
-    a, b = 2 * tile["BM"] * tile["BK"], 2 * tile["BK"] * tile["BN"]
-    print(f"   operand tiles per block per K-step (bf16, from the config): A {a // 1024} KiB + B {b // 1024} KiB "
-          f"= {(a + b) * 1000 / kstep_macs:.1f} B per 1k MACs")  # fmt: skip
+    size = tile.get("bytes", 2)  # bytes per operand element
+    a, b = size * tile["BM"] * tile["BK"], size * tile["BK"] * tile["BN"]
+    print(f"   operand tiles per block per K-step ({size} B per element, from the config): A {a // 1024} KiB + "
+          f"B {b // 1024} KiB = {(a + b) * 1000 / kstep_macs:.1f} B per 1k MACs")  # fmt: skip
     return dict(per_k=per_k, total=len(steady) / ksteps, regs=res["REG"], shared=meta.shared)
 
 
@@ -242,15 +273,20 @@ def main() -> None:
     p.add_argument("--dump", type=Path, help="write each kernel's PTX and SASS here")
     p.add_argument("--gemm1", default="", help="more gated GEMM1 tiles, comma-separated benchmarks.triton_tiles.C "
                    "specs ('128x128x64 g8 w8 s4 t p i': i = gate and up in one interleaved accumulator)")  # fmt: skip
+    p.add_argument("--fp8", action="store_true", help="moekit's fp8 gated GEMM1 (DeepSeek-V3-like) instead")
     args = p.parse_args()
-    print(f"triton {triton.__version__} ({Path(triton.__file__).parent}), sm_90a offline, 132 SMs; Qwen3-30B-A3B "
-          f"bf16 E={E} topk={TOPK} K={K} I={I}, M={M} ({M * TOPK // E} rows per expert)")  # fmt: skip
+    if args.fp8:
+        what = f"DeepSeek-V3-like fp8 E=256 topk={TOPK} K=7168 I=2048, M={M} ({M * TOPK // 256} rows per expert)"
+    else:
+        what = f"Qwen3-30B-A3B bf16 E={E} topk={TOPK} K={K} I={I}, M={M} ({M * TOPK // E} rows per expert)"
+    print(f"triton {triton.__version__} ({Path(triton.__file__).parent}), sm_90a offline, 132 SMs; {what}")  # fmt: skip
     from benchmarks.triton_tiles import C
 
-    kernels = moekit_gemms(tuple(C(spec.strip()) for spec in args.gemm1.split(",") if spec.strip()))
-    if args.tk is None:
+    extra = tuple(C(spec.strip()) for spec in args.gemm1.split(",") if spec.strip())
+    kernels = moekit_fp8_gemm1(extra) if args.fp8 else moekit_gemms(extra)
+    if args.tk is None and not args.fp8:
         print("triton_kernels not found (--tk): moekit only")
-    else:
+    elif not args.fp8:
         print(f"triton_kernels from {args.tk}")
         kernels += tk_gemms(args.tk)
     rows = {name: report(name, kernel, tile) for name, kernel, tile in kernels}
