@@ -14,8 +14,8 @@ MACs multiplies by the warps and divides by the block's MACs per K-step. SASS sa
 not how long it waits: nothing about speed by itself. The H200 runs Triton 3.6 (this venv: 3.9):
 ``pip install --no-deps --target /tmp/t36 triton==3.6.0`` and ``PYTHONPATH=/tmp/t36`` compile with
 it (registers and shared memory then match Nsight Compute's: ``checks/ncu-*-qwen3-16384-*``).
-``--fp8``: moekit's fp8 gated GEMM1 instead (DeepSeek-V3-like, M=16384, fp8 out with 1x128 scales, as
-the fp8 layer runs it): the table's tile and the ``--gemm1`` ones; triton_kernels is not compiled.
+``--fp8``: moekit's fp8 GEMMs instead (DeepSeek-V3-like, M=16384, as the fp8 layer runs them: gated GEMM1
+with fp8 out and 1x128 scales, then GEMM2), the ``--gemm1`` tiles in fp8; triton_kernels is not compiled.
 """
 
 from __future__ import annotations
@@ -126,9 +126,9 @@ def moekit_gemms(extra: tuple = ()) -> list[tuple[str, object, dict]]:
     return list(zip(names, compiled, tiles, strict=True))
 
 
-def moekit_fp8_gemm1(extra: tuple = ()) -> list[tuple[str, object, dict]]:
-    """moekit's fp8 gated GEMM1 at DeepSeek-V3-like sizes (fp8 out with its 1x128 scales, as the fp8
-    layer launches it): the table's config, then each of ``extra``."""
+def moekit_fp8_gemms(extra: tuple = ()) -> list[tuple[str, object, dict]]:
+    """moekit's fp8 GEMMs at DeepSeek-V3-like sizes as the fp8 layer launches them: gated GEMM1 (fp8 out with
+    its 1x128 scales) and GEMM2 with the table's configs, then gated GEMM1 with each of ``extra``."""
     from moekit.hopper import grouped_gemm as gg
     from moekit.hopper.configs import get_config
     from moekit.hopper.gemm_args import GatedOutput
@@ -137,20 +137,28 @@ def moekit_fp8_gemm1(extra: tuple = ()) -> list[tuple[str, object, dict]]:
 
     gg.sm_count = lambda _: 132
     m, e, k, i = M, 256, 7168, 2048
-    configs = (get_config(m, 2 * i, k, e, TOPK, FP8, stage=1, gated=True), *extra)
+    gemm1 = (get_config(m, 2 * i, k, e, TOPK, FP8, stage=1, gated=True), *extra)
+    gemm2 = get_config(m, k, i, e, TOPK, FP8, stage=2)
+
+    def blocks(block_m):
+        shape = align_shape(m * TOPK, e, e, block_m)
+        return AlignedBlocks(torch.empty(shape.size, dtype=torch.int32), shape)
+
+    fp8 = lambda *shape: torch.empty(*shape, dtype=FP8)
     compiled = []
     with offline_h200(compiled):
-        for cfg in configs:
-            shape = align_shape(m * TOPK, e, e, cfg.BLOCK_M)
-            blocks = AlignedBlocks(torch.empty(shape.size, dtype=torch.int32), shape)
+        for cfg in gemm1:
             gated = GatedOutput(out_scale=torch.empty(i // 128, m * TOPK).t())  # column-major, as the layer's
-            gg.fused_moe_gemm(torch.empty(m, k, dtype=FP8), torch.empty(e, 2 * i, k, dtype=FP8),
-                              torch.empty(m, TOPK, i, dtype=FP8), blocks, pairs_per_row=TOPK, config=cfg,
-                              a_scale=torch.empty(k // 128, m).t(), w_scale=torch.empty(e, 2 * i // 128, k // 128),
-                              gated=gated)  # fmt: skip
-    tiles = [dict(BM=c.BLOCK_M, BN=2 * c.BLOCK_N, BK=c.BLOCK_K, K=k, note=str(c), bytes=1) for c in configs]
+            gg.fused_moe_gemm(fp8(m, k), fp8(e, 2 * i, k), fp8(m, TOPK, i), blocks(cfg.BLOCK_M), pairs_per_row=TOPK,
+                              config=cfg, a_scale=torch.empty(k // 128, m).t(),
+                              w_scale=torch.empty(e, 2 * i // 128, k // 128), gated=gated)  # fmt: skip
+        gg.fused_moe_gemm(fp8(m * TOPK, i), fp8(e, k, i), torch.empty(m, TOPK, k, dtype=BF16), blocks(gemm2.BLOCK_M),
+                          pairs_per_row=1, config=gemm2, a_scale=torch.empty(i // 128, m * TOPK).t(),
+                          w_scale=torch.empty(e, k // 128, i // 128))  # fmt: skip
+    tiles = [dict(BM=c.BLOCK_M, BN=2 * c.BLOCK_N, BK=c.BLOCK_K, K=k, note=str(c), bytes=1) for c in gemm1]
+    tiles.append(dict(BM=gemm2.BLOCK_M, BN=gemm2.BLOCK_N, BK=gemm2.BLOCK_K, K=i, note=str(gemm2), bytes=1))
     names = ["moekit fp8 GEMM1 gated", *(f"moekit fp8 GEMM1 gated #{n + 1}" for n in range(len(extra)))]
-    return list(zip(names, compiled, tiles, strict=True))
+    return list(zip([*names, "moekit fp8 GEMM2"], compiled, tiles, strict=True))
 
 
 @triton.jit
@@ -273,7 +281,7 @@ def main() -> None:
     p.add_argument("--dump", type=Path, help="write each kernel's PTX and SASS here")
     p.add_argument("--gemm1", default="", help="more gated GEMM1 tiles, comma-separated benchmarks.triton_tiles.C "
                    "specs ('128x128x64 g8 w8 s4 t p i': i = gate and up in one interleaved accumulator)")  # fmt: skip
-    p.add_argument("--fp8", action="store_true", help="moekit's fp8 gated GEMM1 (DeepSeek-V3-like) instead")
+    p.add_argument("--fp8", action="store_true", help="moekit's fp8 GEMMs (DeepSeek-V3-like) instead")
     args = p.parse_args()
     if args.fp8:
         what = f"DeepSeek-V3-like fp8 E=256 topk={TOPK} K=7168 I=2048, M={M} ({M * TOPK // 256} rows per expert)"
@@ -283,7 +291,7 @@ def main() -> None:
     from benchmarks.triton_tiles import C
 
     extra = tuple(C(spec.strip()) for spec in args.gemm1.split(",") if spec.strip())
-    kernels = moekit_fp8_gemm1(extra) if args.fp8 else moekit_gemms(extra)
+    kernels = moekit_fp8_gemms(extra) if args.fp8 else moekit_gemms(extra)
     if args.tk is None and not args.fp8:
         print("triton_kernels not found (--tk): moekit only")
     elif not args.fp8:

@@ -38,7 +38,7 @@ from moekit.hopper.align import launch_align
 from moekit.hopper.configs import KernelConfig, get_config
 from moekit.hopper.gemm_args import GatedOutput
 from moekit.hopper.grouped_gemm import fused_moe_gemm
-from moekit.hopper.launch import launch_stream, run_lean
+from moekit.hopper.launch import launch_stream, memo, run_lean
 from moekit.hopper.pair_blocks import PairBlocks
 from moekit.kernels.align import AlignedBlocks
 from moekit.kernels.count import count_launch
@@ -77,7 +77,7 @@ class HopperTritonExperts(TritonExperts):
         activation: ``(M, topk, N/2)`` and ``(M * topk, 0)``). Asked per chunk, as in the book;
         answered from a memo (the shapes are a pure function of the sizes and the dtype)."""
         book = super().workspace_shapes
-        return _memo(self._shapes, (problem, act_dtype), lambda: self._fused(book(problem, act_dtype=act_dtype)))
+        return memo(self._shapes, (problem, act_dtype), lambda: self._fused(book(problem, act_dtype=act_dtype)))
 
     def row_workspace_shapes(self, rows: int, problem: ProblemSize, *, act_dtype: torch.dtype) -> WorkspaceShapes:
         """The book's ``(rows, 1, N)`` and ``(rows, N/2)`` (fused: ``(rows, 1, N/2)`` and ``(rows, 0)``);
@@ -92,7 +92,7 @@ class HopperTritonExperts(TritonExperts):
 
     def tile_configs(self, problem: ProblemSize, dtype: torch.dtype) -> tuple[KernelConfig, KernelConfig]:
         """``(GEMM1, GEMM2)`` tiles for this chunk, from :func:`moekit.hopper.configs.get_config`."""
-        return _memo(self._tiles, (problem, dtype), lambda: self._pick_tiles(problem, dtype))
+        return memo(self._tiles, (problem, dtype), lambda: self._pick_tiles(problem, dtype))
 
     def _pick_tiles(self, problem: ProblemSize, dtype: torch.dtype) -> tuple[KernelConfig, KernelConfig]:
         M, N, K, E, topk = problem.M, problem.N, problem.K, problem.global_num_experts, problem.topk
@@ -177,13 +177,3 @@ class HopperTritonExperts(TritonExperts):
             return pair_blocks.pair_blocks(*args, num_local_experts=placement.num_local_experts, check=False)
         # keep_empty: empty slots get zero rows too, so every element of the output is written.
         return launch_align(*args, num_local_experts=placement.num_local_experts, keep_empty=True, stream=stream)
-
-
-def _memo(cache: dict, key, make):
-    """``cache[key]``, made on a miss; the cache is emptied past 1024 keys (keys that follow M)."""
-    value = cache.get(key)
-    if value is None:
-        if len(cache) > 1024:
-            cache.clear()
-        value = cache[key] = make()
-    return value

@@ -83,9 +83,11 @@ class _Meta(NamedTuple):
 
 @triton.jit
 def _mma(acc, a, b, a_s, w_s, IS_FP8: tl.constexpr, UPCAST_BF16: tl.constexpr, DOT_IEEE: tl.constexpr):
-    """acc += a @ b, dequantizing fp8 with one activation scale per row and one weight scale per column."""
+    """acc += a @ b, dequantizing fp8 with one activation scale per row and one weight scale per column, or per
+    group of consecutive columns (then a group's scale folds into the accumulating FFMA)."""
     if IS_FP8:
-        acc += tl.dot(a, b) * (a_s[:, None] * w_s[None, :])
+        d = tl.dot(a, b).reshape(acc.shape[0], w_s.shape[0], acc.shape[1] // w_s.shape[0])  # w_s's groups of columns
+        acc += (d * (a_s[:, None] * w_s[None, :])[:, :, None]).reshape(acc.shape)
     else:
         if UPCAST_BF16:  # the interpreter multiplies bf16 bit patterns in tl.dot
             a = a.to(tl.float32)
@@ -177,7 +179,10 @@ def _tile(
     w_ptrs = w_ptr + expert * stride_we + col[None, :] * stride_wn + offs_k[:, None] * stride_wk
     if META.IS_FP8:
         a_scale_ptrs = a_scale_ptr + row * stride_asm
-        w_scale_ptrs = w_scale_ptr + expert * stride_wse + (col // _GROUP) * stride_wsn
+        w_scale_col = col // _GROUP  # gated: one per column (which the compiler folds without TMA)
+        if not META.GATED:  # one per 128-column group of the tile (columns past N are never stored)
+            w_scale_col = (pid_n * BLOCK_N // _GROUP + tl.arange(0, (BLOCK_N + 127) // _GROUP)) % tl.cdiv(N, _GROUP)
+        w_scale_ptrs = w_scale_ptr + expert * stride_wse + w_scale_col * stride_wsn
         w_up_scale_ptrs = w_scale_ptr + expert * stride_wse + ((col + N) // _GROUP) * stride_wsn
     # TMA: w viewed as [E * rows, K]; rows past this expert's (last column tile) belong to the
     # next expert or are zero-filled past the end, and those columns are never stored.

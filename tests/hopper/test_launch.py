@@ -156,7 +156,7 @@ def _builders():
 
 def test_a_kept_descriptor_is_a_fresh_one_without_its_tensor(monkeypatch):
     """kept_descriptor: what the builder gives, once per contents (device, address, dtype, shape,
-    strides, box), with a base that keeps no tensor alive; None is kept too."""
+    strides, box), with a base that keeps no tensor alive."""
     import weakref
 
     monkeypatch.setattr(L, "interpreting", lambda: False)
@@ -174,7 +174,7 @@ def test_a_kept_descriptor_is_a_fresh_one_without_its_tensor(monkeypatch):
     alive = weakref.ref(w)
     from moekit.kernels.tma import weight_descriptor
 
-    assert L.kept_descriptor(weight_descriptor, w[:, :, :16], [16, 16]) is None  # not TMA-readable: kept as such
+    assert L.kept_descriptor(weight_descriptor, w[:, :, :16], [16, 16]) is None  # not TMA-readable
     L.kept_descriptor(weight_descriptor, w, [16, 32])
     del w
     assert alive() is None  # the kept descriptors hold no tensor
