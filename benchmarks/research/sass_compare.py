@@ -93,22 +93,25 @@ def offline_h200(compiled: list):
         driver.set_active(None)  # (reset_active would look for a real GPU)
 
 
+def layout(pairs: int, experts: int, block_m: int):
+    """An uninitialized aligned layout of ``pairs`` over ``experts`` (its values do not change the code)."""
+    from moekit.kernels.align import AlignedBlocks, align_shape
+
+    shape = align_shape(pairs, experts, experts, block_m)
+    return AlignedBlocks(torch.empty(shape.size, dtype=torch.int32), shape)
+
+
 def moekit_gemms(extra: tuple = ()) -> list[tuple[str, object, dict]]:
     """moekit's two GEMMs as ``HopperTritonExperts(fuse_activation=True)`` launches them, then gated
     GEMM1 with each config of ``extra`` (``KernelConfig``s)."""
     from moekit.hopper import grouped_gemm as gg
     from moekit.hopper.configs import get_config
     from moekit.hopper.gemm_args import GatedOutput
-    from moekit.kernels.align import AlignedBlocks, align_shape
 
     gg.sm_count = lambda _: 132  # (a cached CUDA query)
     cfg1 = get_config(M, 2 * I, K, E, TOPK, BF16, stage=1, gated=True)
     cfg2 = get_config(M, K, I, E, TOPK, BF16, stage=2)
-
-    def blocks(block_m):
-        shape = align_shape(M * TOPK, E, E, block_m)
-        return AlignedBlocks(torch.empty(shape.size, dtype=torch.int32), shape)
-
+    blocks = lambda block_m: layout(M * TOPK, E, block_m)
     empty = lambda *shape: torch.empty(*shape, dtype=BF16)
     compiled = []
     with offline_h200(compiled):
@@ -132,18 +135,13 @@ def moekit_fp8_gemms(extra: tuple = ()) -> list[tuple[str, object, dict]]:
     from moekit.hopper import grouped_gemm as gg
     from moekit.hopper.configs import get_config
     from moekit.hopper.gemm_args import GatedOutput
-    from moekit.kernels.align import AlignedBlocks, align_shape
     from moekit.quant import FP8
 
     gg.sm_count = lambda _: 132
     m, e, k, i = M, 256, 7168, 2048
     gemm1 = (get_config(m, 2 * i, k, e, TOPK, FP8, stage=1, gated=True), *extra)
     gemm2 = get_config(m, k, i, e, TOPK, FP8, stage=2)
-
-    def blocks(block_m):
-        shape = align_shape(m * TOPK, e, e, block_m)
-        return AlignedBlocks(torch.empty(shape.size, dtype=torch.int32), shape)
-
+    blocks = lambda block_m: layout(m * TOPK, e, block_m)
     fp8 = lambda *shape: torch.empty(*shape, dtype=FP8)
     compiled = []
     with offline_h200(compiled):
