@@ -57,6 +57,9 @@ CONFIGS = [GemmConfig(block_m=32, block_n=64, num_stages=1), GemmConfig(block_m=
            GemmConfig(block_m=64, block_n=256, num_stages=1), GemmConfig(block_m=64, block_n=64, tma=True)]
 
 
+# Without block_rows the padding rows are computed too, from whatever bytes they hold (never compared):
+# the interpreter's numpy may warn of an overflow there.
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.parametrize("cfg", CONFIGS)
 def test_configs_and_no_skip_agree(cfg, device):
     L = layout(30, 128, 2, 2, device, extra_blocks=0)
