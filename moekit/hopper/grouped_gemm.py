@@ -180,8 +180,8 @@ def _tile(
     if META.IS_FP8:
         a_scale_ptrs = a_scale_ptr + row * stride_asm
         w_scale_col = col // _GROUP  # gated: one per column (which the compiler folds without TMA)
-        if not META.GATED:  # one per 128-column group of the tile (columns past N are never stored)
-            w_scale_col = (pid_n * BLOCK_N // _GROUP + tl.arange(0, (BLOCK_N + 127) // _GROUP)) % tl.cdiv(N, _GROUP)
+        if not META.GATED:  # ceil(BLOCK_N / 128) scales, one per 128-column group (past N: never stored)
+            w_scale_col = (pid_n * BLOCK_N // _GROUP + tl.arange(0, -(-BLOCK_N // _GROUP))) % tl.cdiv(N, _GROUP)
         w_scale_ptrs = w_scale_ptr + expert * stride_wse + w_scale_col * stride_wsn
         w_up_scale_ptrs = w_scale_ptr + expert * stride_wse + ((col + N) // _GROUP) * stride_wsn
     # TMA: w viewed as [E * rows, K]; rows past this expert's (last column tile) belong to the
@@ -214,10 +214,7 @@ def _tile(
             b = _load(w_ptrs, w_mask, META.EVEN_K)
         acc = _mma(acc, a, b, a_s, w_s, META.IS_FP8, META.UPCAST_BF16, META.DOT_IEEE)
         if META.GATED and not META.INTERLEAVE:  # the up half: the same rows of a times w rows [N, 2N)
-            if META.IS_FP8:
-                w_up_s = tl.load(w_up_scale_ptrs + group * stride_wsk)
-            else:
-                w_up_s = 1.0
+            w_up_s = tl.load(w_up_scale_ptrs + group * stride_wsk) if META.IS_FP8 else 1.0
             if META.W_TMA:
                 b_up = w_desc.load([w_row + N, k * BLOCK_K]).T
             else:

@@ -24,7 +24,8 @@ The plain path runs instead under the interpreter, for Triton versions whose lau
 was not read (outside 3.6-3.9), while a launch hook is installed (a profiler), and for kernels
 whose compile-time parameters are not all last. Variants are kept per launcher (one per jit
 function), behind a lock; they hold no tensors. :func:`kept_descriptor` keeps the TMA descriptors
-such launches read, by their contents, for the same reason.
+such launches read, by their contents, for the same reason (in a plain dict: two threads may both
+build one, and either is right).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from moekit.hopper import pdl
 
 _VERIFY = contextvars.ContextVar("moekit_verify_launches", default=False)
 _RUNTIME = triton.knobs.runtime  # launch_enter_hook: a HookChain in 3.6-3.9, empty unless a profiler listens
-_MAX_KEYS = 4096  # kept variants per launcher
+_MAX_KEYS = 4096  # kept variants per launcher, and kept descriptors
 
 
 class LaunchKeyError(AssertionError):
@@ -238,7 +239,8 @@ def kept_descriptor(build: Callable, t: torch.Tensor, box: list[int]):
     another tensor at the same address; its base is an :class:`_Address`, which keeps no memory alive.
     Building one took 2.4-4.1 µs of host time on a CPU where the lookup takes 1.0 (two to four per chunk).
     Under the interpreter, which reads through the base tensor, every call builds afresh; so does a
-    tensor TMA cannot read (None, at the cost of a few checks).
+    tensor TMA cannot read (None, at the cost of a few checks). One descriptor serves every launch and
+    thread: Triton's launcher reads a descriptor and never writes it (read in 3.6 and 3.9).
     """
     if interpreting():
         return build(t, box)

@@ -28,6 +28,7 @@ from moekit.hopper.launch import run_lean
 from moekit.kernels.host_math import cdiv, next_power_of_2
 from moekit.prepare_finalize import NoEPPrepareFinalize
 from moekit.types import KernelLaunch
+from moekit.validate import check_flag
 
 _BLOCK = 1024
 
@@ -78,12 +79,17 @@ def launch_marker_to_moekit(
 
 class MarkerPrepareFinalize(NoEPPrepareFinalize):
     """``NoEPPrepareFinalize`` whose prepare first converts transformers' ids (:func:`launch_marker_to_moekit`,
-    with the layer's expert count as the marker) when ``convert`` is on: the integration's stage on a GPU,
-    where the door reads no ids. On the CPU the door checks the ids' range, so they come converted."""
+    with the placement's expert count as the marker: transformers' layers pass no expert_map, so it is the
+    layer's) when ``convert`` is on: the integration's stage on a GPU, where the door reads no ids. On the
+    CPU the door checks the ids' range, so they come converted.
+
+    Raises:
+        InvalidInputError: ``convert`` is not a bool.
+    """
 
     def __init__(self, *, convert: bool):
         super().__init__()
-        self.convert = convert
+        self.convert = check_flag(convert, "convert")
 
     def prepare(self, hidden, topk_weights, topk_ids, *, quant, placement):
         if self.convert:

@@ -17,7 +17,8 @@ on its first forward (all layers share one workspace pool per device), after a c
 module computes exactly ``down(silu(gate) * up)``: no biases, SiLU, gate rows before up rows, no
 custom gating. Anything else raises :class:`~moekit.errors.UnsupportedModelError`. Routing ids
 are transformers' (id E marks an empty slot); any other id outside the layer's experts is refused
-on the CPU and poisons its token with NaN on a GPU, without a host sync (:func:`moekit_routing`).
+on the CPU (:func:`moekit_routing`, before the kernel) and poisons its token with NaN on a GPU, without
+a host sync (in the kernel's prepare, :class:`~moekit.integrations.hf_routing.MarkerPrepareFinalize`).
 
 fp8 block-quantized models (transformers' fine-grained fp8: ``FP8Experts`` with 128 x 128 weight
 scales and dynamic 1 x 128 activation scales, as ``Qwen/Qwen3-30B-A3B-FP8``) run through

@@ -48,4 +48,4 @@ class NoEPPrepareFinalize(PrepareFinalize):
         return weight_and_reduce(fused_out, prepared.topk_weights, output)
 
     def __repr__(self) -> str:
-        return f"NoEPPrepareFinalize(return_counts={self.return_counts})"
+        return f"{self.name}(return_counts={self.return_counts})"

@@ -141,12 +141,18 @@ class RefusingDeepGemm:
         contiguous_gemm(a, a_s, b, b_s, m_indices, out=out)
 
 
+# The stand-in computes every row of the contiguous layout, padding included, as deep_gemm 1.0 does: those rows
+# hold stale bytes, so the interpreter's numpy may warn of overflows there (the data rows are compared).
+STALE_PADDING = pytest.mark.filterwarnings("ignore:(overflow|invalid value) encountered:RuntimeWarning")
+
+
 def _fp8_problem(K, N=512):
     from moekit.testing import make_problem
 
     return make_problem(20, E=3, topk=2, K=K, N=N, quant=QuantScheme.FP8_BLOCK, seed=4)
 
 
+@STALE_PADDING
 def test_a_shape_deep_gemm_cannot_build_falls_back_once_and_says_why(fresh_cache):
     stub = RefusingDeepGemm()
     with dg.use(stub):
@@ -166,6 +172,7 @@ def test_a_shape_deep_gemm_cannot_build_falls_back_once_and_says_why(fresh_cache
         assert kernel.last_trace.backends == ["deep_gemm"] and kernel.last_trace.chunks[0].note == ""
 
 
+@STALE_PADDING
 def test_when_only_gemm2_cannot_be_built_gemm1_stays_on_deep_gemm(fresh_cache):
     # Issue 25, item 16: a GEMM2 build failure sent both GEMMs of the layer to Triton for good.
     stub = RefusingDeepGemm()

@@ -61,16 +61,20 @@ def test_remote_blocks_write_zeros_and_dropped_rows_are_untouched(device):
     assert (out[~placed] == 7.0).all()  # dropped empty slots: not written
 
 
-@pytest.mark.parametrize("block_k, block_n", [(128, 64), (64, 64), (128, 128), (128, 256)])
-def test_fp8_block_scales(device, block_k, block_n):
-    # N = 384: three 128-row weight blocks whose rows differ 4x in size, so that a tile reading another
-    # block's scale is off by 4x; BLOCK_N 256 takes two blocks per tile and the last tile half a tile.
-    M, K, N, E, topk = 17, 256, 384, 4, 2
+@pytest.mark.parametrize(
+    "block_k, block_n, N, persistent",
+    [(128, 64, 384, False), (64, 64, 384, False), (128, 128, 384, False), (128, 256, 384, False),
+     (128, 32, 320, False), (128, 128, 320, True), (128, 256, 320, True)],
+)  # fmt: skip
+def test_fp8_block_scales(device, block_k, block_n, N, persistent):
+    # 128-row weight blocks whose rows differ 4x in size, so that a tile reading another block's scale is
+    # off by 4x; BLOCK_N 256 takes two blocks per tile, and the last tile runs past N (N = 320: mid-block).
+    M, K, E, topk = 17, 256, 4, 2
     ids = torch.randint(0, E, (M, topk), device=device)
     aq, a_s = quantize_fp8_per_token_group(torch.randn(M, K, device=device))
     rows = 4.0 ** (torch.arange(N, device=device) // FP8_GROUP)
     wq, w_s = quantize_fp8_block(torch.randn(E, N, K, device=device) * rows[:, None] / 16)
-    cfg = KernelConfig(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k)
+    cfg = KernelConfig(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, persistent=persistent)
     blocks = moe_align_block_size(ids, 16, E)
     out = torch.empty(M, topk, N, device=device, dtype=torch.bfloat16)
     fused_moe_gemm(aq, wq, out, blocks, pairs_per_row=topk, config=cfg, a_scale=a_s, w_scale=w_s)

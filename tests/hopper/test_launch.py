@@ -211,26 +211,41 @@ def test_tritons_launcher_reads_a_kept_descriptor_as_a_fresh_one(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_kept_descriptors_read_what_is_at_their_address_now(device):
-    """On a GPU the TMA GEMM gives bit for bit what it gives with fresh descriptors, also after the
-    weights at a kept address were overwritten."""
+@pytest.mark.parametrize("mode", ["weights", "gate_up", "rows"])
+def test_kept_descriptors_read_what_is_at_their_address_now(device, mode):
+    """On a GPU each TMA descriptor the GEMM takes (the weights; gate and up interleaved; a row chunk's
+    activations read by position, one buffer per chunk) gives bit for bit what descriptors built on the
+    tensors give, also after the tensors at the kept addresses were overwritten."""
     from moekit.hopper import grouped_gemm as G
     from moekit.hopper.configs import KernelConfig
+    from moekit.hopper.gemm_args import GatedOutput, RowWindow
     from moekit.kernels.align import moe_align_block_size
 
     M, K, N, E, topk = 37, 128, 192, 4, 2
-    cfg = KernelConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, tma=True)
+    cfg = KernelConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, tma=True, interleave=mode == "gate_up")
     ids = torch.randint(0, E, (M, topk), device=device)
-    a, w = torch.randn(M, K, device=device, dtype=torch.bfloat16), torch.randn(E, N, K, device=device).bfloat16()
     blocks = moe_align_block_size(ids, 16, E, keep_empty=True)
+    bf16 = dict(device=device, dtype=torch.bfloat16)
+    w = torch.randn(E, N, K, **bf16)
+    if mode == "rows":  # GEMM2 of 16-row chunks, each reading its own [16, K] buffer by position
+        chunks = [RowWindow(s, s + 16, read="position") for s in range(0, blocks.sorted_token_ids.numel(), 16)]
+        inputs = [torch.randn(16, K, **bf16) for _ in chunks]
+    else:
+        chunks, inputs = [None], [torch.randn(M, K, **bf16)]
+    width, ppr = (N // 2 if mode == "gate_up" else N), (1 if mode == "rows" else topk)
+
+    def run():
+        out = torch.zeros(M, topk, width, **bf16)
+        for chunk, a in zip(chunks, inputs, strict=True):
+            gated = GatedOutput() if mode == "gate_up" else None
+            G.fused_moe_gemm(a, w, out, blocks, pairs_per_row=ppr, config=cfg, gated=gated, chunk=chunk)
+        return out
+
     for _ in range(2):
-        outs = []
-        for kept in (True, False):
-            out = torch.empty(M, topk, N, device=device, dtype=torch.bfloat16)
-            with pytest.MonkeyPatch.context() as patch:
-                if not kept:  # descriptors built afresh, on the tensors
-                    patch.setattr(G, "kept_descriptor", lambda build, t, box: build(t, box))
-                G.fused_moe_gemm(a, w, out, blocks, pairs_per_row=topk, config=cfg)
-            outs.append(out)
-        assert torch.equal(outs[0], outs[1])
-        w.copy_(torch.randn_like(w, dtype=torch.float32))  # the same address, new contents
+        kept = run()
+        with pytest.MonkeyPatch.context() as patch:  # descriptors built afresh, on the tensors
+            patch.setattr(G, "kept_descriptor", lambda build, t, box: build(t, box))
+            fresh = run()
+        assert torch.equal(kept, fresh) and kept.abs().sum() > 0
+        for t in (w, *inputs):  # the same addresses, new contents
+            t.copy_(torch.randn_like(t))

@@ -65,3 +65,13 @@ def test_the_integration_converts_in_prepare_on_a_gpu_only():
     settings = Settings("t", TritonExperts, TritonExperts, None, {})
     assert settings.build_kernel(torch.device("cpu")).prepare_finalize.convert is False
     assert settings.build_kernel(torch.device("meta")).prepare_finalize.convert is True  # (as on a GPU)
+
+
+def test_the_stage_names_itself_and_refuses_a_convert_that_is_not_a_bool():
+    from moekit.errors import InvalidInputError
+    from moekit.integrations.hf_routing import MarkerPrepareFinalize
+    from moekit.testing import expect_raises
+
+    assert repr(MarkerPrepareFinalize(convert=True)).startswith("MarkerPrepareFinalize(")
+    with expect_raises(InvalidInputError, "convert"):
+        MarkerPrepareFinalize(convert="no")
