@@ -130,8 +130,9 @@ def moekit_gemms(extra: tuple = ()) -> list[tuple[str, object, dict]]:
 
 
 def moekit_fp8_gemms(extra: tuple = ()) -> list[tuple[str, object, dict]]:
-    """moekit's fp8 GEMMs at DeepSeek-V3-like sizes as the fp8 layer launches them: gated GEMM1 (fp8 out with
-    its 1x128 scales) and GEMM2 with the table's configs, then gated GEMM1 with each of ``extra``."""
+    """moekit's fp8 GEMMs at DeepSeek-V3-like sizes as the fp8 layer launches them, with the table's configs:
+    gated GEMM1 (fp8 out with its 1x128 scales), gated GEMM1 with each of ``extra``, GEMM2, and GEMM1 without
+    the activation (bf16 out, as ``fuse_activation=False`` runs it)."""
     from moekit.hopper import grouped_gemm as gg
     from moekit.hopper.configs import get_config
     from moekit.hopper.gemm_args import GatedOutput
@@ -141,6 +142,7 @@ def moekit_fp8_gemms(extra: tuple = ()) -> list[tuple[str, object, dict]]:
     m, e, k, i = M, 256, 7168, 2048
     gemm1 = (get_config(m, 2 * i, k, e, TOPK, FP8, stage=1, gated=True), *extra)
     gemm2 = get_config(m, k, i, e, TOPK, FP8, stage=2)
+    plain1 = get_config(m, 2 * i, k, e, TOPK, FP8, stage=1)  # GEMM1 without the activation (bf16 out)
     blocks = lambda block_m: layout(m * TOPK, e, block_m)
     fp8 = lambda *shape: torch.empty(*shape, dtype=FP8)
     compiled = []
@@ -153,10 +155,14 @@ def moekit_fp8_gemms(extra: tuple = ()) -> list[tuple[str, object, dict]]:
         gg.fused_moe_gemm(fp8(m * TOPK, i), fp8(e, k, i), torch.empty(m, TOPK, k, dtype=BF16), blocks(gemm2.BLOCK_M),
                           pairs_per_row=1, config=gemm2, a_scale=torch.empty(i // 128, m * TOPK).t(),
                           w_scale=torch.empty(e, k // 128, i // 128))  # fmt: skip
+        gg.fused_moe_gemm(fp8(m, k), fp8(e, 2 * i, k), torch.empty(m, TOPK, 2 * i, dtype=BF16), blocks(plain1.BLOCK_M),
+                          pairs_per_row=TOPK, config=plain1, a_scale=torch.empty(k // 128, m).t(),
+                          w_scale=torch.empty(e, 2 * i // 128, k // 128))  # fmt: skip
     tiles = [dict(BM=c.BLOCK_M, BN=2 * c.BLOCK_N, BK=c.BLOCK_K, K=k, note=str(c), bytes=1) for c in gemm1]
     tiles.append(dict(BM=gemm2.BLOCK_M, BN=gemm2.BLOCK_N, BK=gemm2.BLOCK_K, K=i, note=str(gemm2), bytes=1))
+    tiles.append(dict(BM=plain1.BLOCK_M, BN=plain1.BLOCK_N, BK=plain1.BLOCK_K, K=k, note=str(plain1), bytes=1))
     names = ["moekit fp8 GEMM1 gated", *(f"moekit fp8 GEMM1 gated #{n + 1}" for n in range(len(extra)))]
-    return list(zip([*names, "moekit fp8 GEMM2"], compiled, tiles, strict=True))
+    return list(zip([*names, "moekit fp8 GEMM2", "moekit fp8 GEMM1"], compiled, tiles, strict=True))
 
 
 @triton.jit
