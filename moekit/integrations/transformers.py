@@ -229,10 +229,10 @@ def _forward(settings: Settings, module, hidden_states, top_k_index, top_k_weigh
             stacklevel=3,
         )
     with torch.no_grad():
-        if hidden_states.device.type == "cpu":  # the door checks ids there: checked and converted first
-            ids, weights = moekit_routing(top_k_index, top_k_weights, w1.shape[0])
-        else:  # converted in the layer's prepare (MarkerPrepareFinalize), inside a replayed graph too
+        if layer.kernel.prepare_finalize.convert:  # in the layer's prepare (a GPU), inside a replayed graph too
             ids, weights = top_k_index.contiguous(), top_k_weights.contiguous()
+        else:  # the CPU, whose door checks ids: checked and converted first
+            ids, weights = moekit_routing(top_k_index, top_k_weights, w1.shape[0])
         if fp8:  # prepare quantizes the activations per 1x128 group, as transformers' dynamic scheme
             scales = dict(w1_scale=module.gate_up_proj_scale_inv, w2_scale=module.down_proj_scale_inv)
             out = layer.call(hidden_states.contiguous(), w1, w2, weights, ids, **scales)
